@@ -1,0 +1,74 @@
+"""The delayed copy task: format, scored mask, determinism, reverse and padded variants."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_mha.data import BOS, EOS, FIRST_SYMBOL, PAD, SEP, CopyTaskConfig, chance_accuracy, make_batch
+
+
+def _tokens(batch):
+    """Reassembles the full token sequences (B, 2L+3) from inputs/targets."""
+    return np.concatenate([np.asarray(batch["inputs"])[:, :1], np.asarray(batch["targets"])], axis=1)
+
+
+def test_format_and_scored_mask():
+    cfg = CopyTaskConfig(length=7, num_symbols=5)
+    batch = make_batch(jax.random.PRNGKey(3), cfg, 11)
+    for name in ("inputs", "targets", "scored"):
+        chex.assert_shape(batch[name], (11, cfg.seq_len))
+    np.testing.assert_array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
+    tokens = _tokens(batch)
+    L = cfg.length
+    assert (tokens[:, 0] == BOS).all() and (tokens[:, L + 1] == SEP).all() and (tokens[:, 2 * L + 2] == EOS).all()
+    first, second = tokens[:, 1 : L + 1], tokens[:, L + 2 : 2 * L + 2]
+    np.testing.assert_array_equal(first, second)
+    assert first.min() >= FIRST_SYMBOL and first.max() < FIRST_SYMBOL + cfg.num_symbols
+    # Scored targets: exactly the second copy and EOS (target index = token index - 1).
+    expected = np.zeros(cfg.seq_len, bool)
+    expected[L + 1 : 2 * L + 2] = True
+    np.testing.assert_array_equal(batch["scored"], np.broadcast_to(expected, (11, cfg.seq_len)))
+    # Symbols are uniform-ish: every one of the 5 appears.
+    assert len(np.unique(first)) == cfg.num_symbols
+
+
+def test_deterministic_per_key_and_jittable():
+    cfg = CopyTaskConfig(length=5)
+    a = make_batch(jax.random.PRNGKey(0), cfg, 13)
+    b = make_batch(jax.random.PRNGKey(0), cfg, 13)
+    c = make_batch(jax.random.PRNGKey(1), cfg, 13)
+    chex.assert_trees_all_equal(a, b)
+    assert not np.array_equal(a["inputs"], c["inputs"])
+    jitted = jax.jit(make_batch, static_argnums=(1, 2))(jax.random.PRNGKey(0), cfg, 13)
+    chex.assert_trees_all_equal(a, jitted)
+
+
+def test_reverse_variant():
+    cfg = CopyTaskConfig(length=6, reverse=True)
+    tokens = _tokens(make_batch(jax.random.PRNGKey(2), cfg, 7))
+    L = cfg.length
+    np.testing.assert_array_equal(tokens[:, 1 : L + 1][:, ::-1], tokens[:, L + 2 : 2 * L + 2])
+    assert (tokens[:, 2 * L + 2] == EOS).all()
+
+
+def test_variable_length_padding():
+    cfg = CopyTaskConfig(length=9, min_length=2)
+    batch = make_batch(jax.random.PRNGKey(5), cfg, 64)
+    tokens = _tokens(batch)
+    lengths = (tokens == SEP).argmax(1) - 1
+    assert lengths.min() >= 2 and lengths.max() <= 9 and len(np.unique(lengths)) > 3
+    for row, l, scored in zip(tokens, lengths, np.asarray(batch["scored"])):
+        np.testing.assert_array_equal(row[1 : l + 1], row[l + 2 : 2 * l + 2])
+        assert row[2 * l + 2] == EOS and (row[2 * l + 3 :] == PAD).all()
+        assert scored.sum() == l + 1 and scored[l + 1 : 2 * l + 2].all()
+
+
+def test_config_errors_and_chance():
+    with pytest.raises(ValueError, match="min_length=5 must be in \\[1, length=3\\]"):
+        CopyTaskConfig(length=3, min_length=5)
+    with pytest.raises(ValueError, match="length=0"):
+        CopyTaskConfig(length=0)
+    # L=9 symbols at 1/10 each plus a free EOS, over 10 scored tokens.
+    assert chance_accuracy(CopyTaskConfig(length=9)) == pytest.approx((0.9 + 1) / 10)
