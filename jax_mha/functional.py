@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_mha.blockwise import blockwise_attention
+
 IMPLEMENTATIONS = ("xla", "blockwise", "cudnn", "auto")
 
 # Sequences with at least this many query x key pairs per head go to the blockwise
@@ -269,7 +271,7 @@ def attention(
     implementation: str | None = "xla",
     kv_lengths: jax.Array | None = None,
     query_block_size: int = 512,
-    key_block_size: int = 512,
+    key_block_size: int = 1024,
 ):
     """Scaled dot-product attention for all heads at once.
 
@@ -344,8 +346,6 @@ def attention(
             )
         if dropout_active:
             raise ValueError("dropout on the weights is not supported by implementation='blockwise'; use 'xla'")
-        from jax_mha.blockwise import blockwise_attention
-
         return blockwise_attention(
             q, k, v, mask=mask, bias=bias, kv_lengths=kv_lengths, is_causal=is_causal,
             scale=scale, query_block_size=query_block_size, key_block_size=key_block_size,

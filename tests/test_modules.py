@@ -1,0 +1,456 @@
+"""Tests for `jax_mha.modules`: parameter layout and counts, parity with flax's
+`MultiHeadDotProductAttention` and with hand-written compositions of the parameters."""
+
+from __future__ import annotations
+
+import re
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_mha import MultiHeadAttention, TransformerBlock, attention, causal_mask, padding_mask
+
+# B, N, S, H, D: distinct primes; d_model = H * D.
+B, N, S, H, D = 2, 5, 7, 3, 11
+D_MODEL = H * D  # 33
+
+
+def normal(rng, shape, dtype=jnp.float32):
+    """Fresh standard-normal inputs (never zeros), as a jax array."""
+    return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def randomize(params, seed=0):
+    """Replaces every leaf by fresh N(0, 0.3²) values, so zero-initialised biases matter.
+
+    NumPy draws: no XLA compilation per parameter shape (keeps the suite fast on CPU).
+    """
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map(lambda x: jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype), params)
+
+
+def init_params(model, *inputs, seed=0):
+    """Random parameters with the structure `model.init` would give, without running it."""
+    return randomize(jax.eval_shape(model.init, jax.random.key(0), *inputs), seed)
+
+
+def count(params) -> int:
+    return sum(x.size for x in jax.tree_util.tree_leaves(params))
+
+
+def np_mha(p, query, key, value, num_heads, num_kv_heads, np_attention, mask=None):
+    """MultiHeadAttention by hand in float64 from its parameter dict."""
+    dense = lambda x, name: np.asarray(x, np.float64) @ np.asarray(p[name]["kernel"], np.float64) + (
+        np.asarray(p[name]["bias"], np.float64) if "bias" in p[name] else 0.0
+    )
+    heads = lambda x, h: x.reshape(*x.shape[:-1], h, -1).swapaxes(-3, -2)  # (B, h, L, D)
+    q = heads(dense(query, "query"), num_heads)
+    k = heads(dense(key, "key"), num_kv_heads)
+    v = heads(dense(value, "value"), num_kv_heads)
+    out, weights = np_attention(q, k, v, mask)
+    out = out.swapaxes(-3, -2).reshape(*out.shape[:-3], out.shape[-2], -1)  # (B, N, H*D)
+    return dense(out, "out"), weights
+
+
+# --------------------------------------------------------------------------- shapes
+
+
+class ShapeTest(chex.TestCase):
+    """Output shapes, with and without jit."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_self_attention(self):
+        x = normal(np.random.default_rng(0), (B, N, D_MODEL))
+        model = MultiHeadAttention(num_heads=H)
+        params = init_params(model, x)
+        out, weights = self.variant(lambda p, x: model.apply(p, x, return_weights=True))(params, x)
+        chex.assert_shape(out, (B, N, D_MODEL))
+        chex.assert_shape(weights, (B, H, N, N))
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_cross_attention_gqa(self):
+        rng = np.random.default_rng(1)
+        q, kv = normal(rng, (B, N, 13)), normal(rng, (B, S, 17))
+        model = MultiHeadAttention(num_heads=6, d_model=30, num_kv_heads=2)
+        params = init_params(model, q, kv)
+        out, weights = self.variant(lambda p, q, kv: model.apply(p, q, kv, return_weights=True))(params, q, kv)
+        chex.assert_shape(out, (B, N, 30))
+        chex.assert_shape(weights, (B, 6, N, S))
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_transformer_block(self):
+        x = normal(np.random.default_rng(2), (B, N, D_MODEL))
+        block = TransformerBlock(num_heads=H, d_ff=13)
+        params = init_params(block, x)
+        y, weights = self.variant(lambda p, x: block.apply(p, x, is_causal=True, return_weights=True))(params, x)
+        chex.assert_shape(y, (B, N, D_MODEL))
+        chex.assert_shape(weights, (B, H, N, N))
+
+
+# --------------------------------------------------------------- parameters & layout
+
+
+def test_parameter_count_with_biases():
+    model = MultiHeadAttention(num_heads=8, d_model=64, qkv_bias=True, out_bias=True)
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, 3, 64)))
+    assert count(params) == 16_640
+
+
+@pytest.mark.parametrize("d_model,heads", [(512, 8), (D_MODEL, H)])
+def test_parameter_count_without_biases(d_model, heads):
+    model = MultiHeadAttention(num_heads=heads, d_model=d_model, qkv_bias=False, out_bias=False)
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, 3, d_model)))
+    assert count(params) == 4 * d_model**2
+
+
+def test_parameter_shapes_cross_attention_gqa():
+    d_q, d_k, d_v, heads, kv_heads, d_model = 7, 11, 13, 6, 2, 30  # D = 5
+    model = MultiHeadAttention(num_heads=heads, d_model=d_model, num_kv_heads=kv_heads, qkv_bias=True)
+    params = jax.eval_shape(
+        model.init, jax.random.key(0), jnp.ones((B, N, d_q)), jnp.ones((B, S, d_k)), jnp.ones((B, S, d_v))
+    )["params"]
+    shapes = jax.tree_util.tree_map(lambda x: x.shape, params)
+    assert shapes == {
+        "query": {"kernel": (d_q, d_model), "bias": (d_model,)},
+        "key": {"kernel": (d_k, kv_heads * 5), "bias": (kv_heads * 5,)},
+        "value": {"kernel": (d_v, kv_heads * 5), "bias": (kv_heads * 5,)},
+        "out": {"kernel": (d_model, d_model), "bias": (d_model,)},
+    }
+    assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
+
+
+def test_head_h_owns_query_columns(rng):
+    """Perturbing query-kernel columns h*D:(h+1)*D changes only head h's weights."""
+    x = normal(rng, (B, N, D_MODEL))
+    model = MultiHeadAttention(num_heads=H)
+    params = init_params(model, x)
+    _, w = model.apply(params, x, return_weights=True)
+    h = 1
+    kernel = params["params"]["query"]["kernel"]
+    bumped = jax.tree_util.tree_map(lambda a: a, params)
+    bumped["params"]["query"]["kernel"] = kernel.at[:, h * D : (h + 1) * D].add(normal(rng, (D_MODEL, D)))
+    _, w2 = model.apply(bumped, x, return_weights=True)
+    changed = np.abs(np.asarray(w2 - w)).max(axis=(0, 2, 3))
+    assert changed[h] > 1e-3
+    np.testing.assert_array_equal(np.delete(changed, h), 0.0)
+
+
+# ---------------------------------------------------------------- reference parity
+
+
+@pytest.mark.parametrize("use_mask", [False, True])
+def test_matches_flax_multi_head_dot_product_attention(rng, use_mask):
+    d_q, d_k, d_v = 7, 11, 13
+    query, key, value = normal(rng, (B, N, d_q)), normal(rng, (B, S, d_k)), normal(rng, (B, S, d_v))
+    mask = None
+    if use_mask:
+        m = rng.random((B, 1, N, S)) < 0.6
+        m[..., 0] = True  # flax gives uniform (not zero) weights to fully masked rows
+        mask = jnp.asarray(np.broadcast_to(m, (B, H, N, S)))
+    ref_model = nn.MultiHeadDotProductAttention(
+        num_heads=H, qkv_features=D_MODEL, out_features=D_MODEL, use_bias=True,
+        deterministic=True,
+    )
+    ref_params = init_params(ref_model, query, key, value)["params"]
+    expected = ref_model.apply({"params": ref_params}, query, key, value, mask=mask)
+
+    # flax's DenseGeneral kernels are (d_in, H, D) and (H, D, d_out): flatten the
+    # (H, D) axes in that order, which is exactly the split_heads column layout.
+    ours = {
+        name: {
+            "kernel": ref_params[name]["kernel"].reshape(-1, D_MODEL),
+            "bias": ref_params[name]["bias"].reshape(D_MODEL),
+        }
+        for name in ("query", "key", "value")
+    }
+    ours["out"] = {"kernel": ref_params["out"]["kernel"].reshape(D_MODEL, D_MODEL), "bias": ref_params["out"]["bias"]}
+    model = MultiHeadAttention(num_heads=H, d_model=D_MODEL, qkv_bias=True, out_bias=True)
+    got = model.apply({"params": ours}, query, key, value, mask)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cross_attention_matches_numpy(rng, np_attention):
+    d_q, d_k, d_v, heads, d_model = 7, 11, 13, 5, 15  # D = 3, S != N
+    query, key, value = normal(rng, (B, N, d_q)), normal(rng, (B, S, d_k)), normal(rng, (B, S, d_v))
+    mask = padding_mask(jnp.asarray(np.arange(S)[None] < np.array([[4], [S]])))
+    model = MultiHeadAttention(num_heads=heads, d_model=d_model, qkv_bias=True)
+    params = init_params(model, query, key, value)
+    out, weights = model.apply(params, query, key, value, mask, return_weights=True)
+    ref_out, ref_w = np_mha(params["params"], query, key, value, heads, heads, np_attention, mask)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(weights, ref_w, rtol=1e-5, atol=1e-6)
+
+
+def test_value_defaults_to_key_and_key_to_query(rng):
+    x, kv = normal(rng, (B, N, D_MODEL)), normal(rng, (B, S, D_MODEL))
+    model = MultiHeadAttention(num_heads=H)
+    params = init_params(model, x)
+    np.testing.assert_array_equal(model.apply(params, x), model.apply(params, x, x, x))
+    np.testing.assert_array_equal(model.apply(params, x, kv), model.apply(params, x, kv, kv))
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])  # MQA, GQA with groups of 3
+def test_gqa_module_equals_mha_with_repeated_kv_kernels(rng, np_attention, kv_heads):
+    heads, d_model = 6, 30  # D = 5
+    x = normal(rng, (B, N, d_model))
+    gqa = MultiHeadAttention(num_heads=heads, num_kv_heads=kv_heads, qkv_bias=True)
+    params = init_params(gqa, x)["params"]
+
+    def repeat_heads(a):  # (..., K*D) -> (..., H*D), kv head k serves query heads k*G:(k+1)*G
+        a = a.reshape(*a.shape[:-1], kv_heads, d_model // heads)
+        return jnp.repeat(a, heads // kv_heads, axis=-2).reshape(*a.shape[:-2], d_model)
+
+    full = {name: params[name] for name in ("query", "out")}
+    for name in ("key", "value"):
+        full[name] = {p: repeat_heads(a) for p, a in params[name].items()}
+    mha = MultiHeadAttention(num_heads=heads, qkv_bias=True)
+    out, w = gqa.apply({"params": params}, x, is_causal=True, return_weights=True)
+    out_full, w_full = mha.apply({"params": full}, x, is_causal=True, return_weights=True)
+    np.testing.assert_allclose(out, out_full, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(w, w_full, rtol=1e-5, atol=1e-6)
+    ref, _ = np_mha(params, x, x, x, heads, kv_heads, np_attention, causal_mask(N))
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_is_causal_equals_causal_mask_in_module(rng):
+    x = normal(rng, (B, N, D_MODEL))
+    model = MultiHeadAttention(num_heads=H)
+    params = init_params(model, x)
+    np.testing.assert_allclose(
+        model.apply(params, x, is_causal=True), model.apply(params, x, mask=causal_mask(N)), rtol=1e-6, atol=1e-6
+    )
+
+
+# ------------------------------------------------------------------------ head_mask
+
+
+def test_head_mask_zero_equals_zeroing_out_kernel_rows(rng):
+    x = normal(rng, (B, N, D_MODEL))
+    model = MultiHeadAttention(num_heads=H)
+    params = init_params(model, x)
+    h = 2
+    gated = model.apply(params, x, head_mask=jnp.ones(H).at[h].set(0.0))
+    pruned = jax.tree_util.tree_map(lambda a: a, params)
+    kernel = params["params"]["out"]["kernel"]
+    pruned["params"]["out"]["kernel"] = kernel.at[h * D : (h + 1) * D, :].set(0.0)
+    np.testing.assert_allclose(gated, model.apply(pruned, x), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(gated, model.apply(params, x), atol=1e-3)
+    np.testing.assert_array_equal(model.apply(params, x, head_mask=jnp.ones(H)), model.apply(params, x))
+
+
+def test_per_example_head_mask(rng):
+    x = normal(rng, (B, N, D_MODEL))
+    model = MultiHeadAttention(num_heads=H)
+    params = init_params(model, x)
+    gates = jnp.asarray(rng.random((B, H)), jnp.float32)
+    out = model.apply(params, x, head_mask=gates)
+    for b in range(B):
+        np.testing.assert_allclose(out[b], model.apply(params, x[b], head_mask=gates[b]), rtol=1e-5, atol=1e-5)
+
+
+def test_head_mask_gradient_is_finite_and_nonzero(rng):
+    x = normal(rng, (B, N, D_MODEL))
+    model = MultiHeadAttention(num_heads=H)
+    params = init_params(model, x)
+    g = jax.grad(lambda m: jnp.sum(model.apply(params, x, head_mask=m) ** 2))(jnp.ones(H))
+    chex.assert_shape(g, (H,))
+    assert np.all(np.isfinite(g)) and np.all(g != 0)
+
+
+# --------------------------------------------------------------------------- dropout
+
+
+def test_module_dropout(rng):
+    x = normal(rng, (B, N, D_MODEL))
+    model = MultiHeadAttention(num_heads=H, dropout_rate=0.5)
+    params = init_params(model, x)
+    plain = MultiHeadAttention(num_heads=H).apply(params, x)
+    np.testing.assert_array_equal(model.apply(params, x), plain)  # deterministic by default
+    drop = lambda seed: model.apply(params, x, deterministic=False, rngs={"dropout": jax.random.key(seed)})
+    np.testing.assert_array_equal(drop(1), drop(1))
+    assert not np.allclose(drop(1), plain, atol=1e-3)
+    assert not np.allclose(drop(1), drop(2), atol=1e-3)
+
+
+# -------------------------------------------------------------------------- bfloat16
+
+
+def test_bfloat16_compute_with_float32_params(rng, np_attention):
+    x = normal(rng, (B, N, D_MODEL))
+    model = MultiHeadAttention(num_heads=H, dtype=jnp.bfloat16)
+    params = init_params(model, x)
+    assert all(a.dtype == jnp.float32 for a in jax.tree_util.tree_leaves(params))
+    out, weights = model.apply(params, x, return_weights=True)
+    assert out.dtype == jnp.bfloat16 and weights.dtype == jnp.bfloat16
+    # Every matmul runs on bfloat16 operands.
+    jaxpr = jax.make_jaxpr(lambda p, x: model.apply(p, x))(params, x)
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) >= 6  # q, k, v projections, q·k, w·v, out projection
+    for e in dots:
+        assert all(v.aval.dtype == jnp.bfloat16 for v in e.invars), e
+    ref, _ = np_mha(params["params"], x, x, x, H, H, np_attention)
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=0.05, atol=0.08)
+    f32 = MultiHeadAttention(num_heads=H).apply(params, x)
+    assert not np.array_equal(np.asarray(out, np.float32), np.asarray(f32))
+
+
+# ---------------------------------------------------------------- TransformerBlock
+
+
+def layer_norm(x, p, eps=1e-6):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * np.asarray(p["scale"]) + np.asarray(p["bias"])
+
+
+def dense(x, p):
+    return x @ np.asarray(p["kernel"], np.float64) + np.asarray(p["bias"], np.float64)
+
+
+def gelu(x):
+    return np.asarray(jax.nn.gelu(jnp.asarray(x, jnp.float32), approximate=False), np.float64)
+
+
+@pytest.mark.parametrize("pre_norm", [False, True])
+def test_transformer_block_matches_hand_composition(rng, np_attention, pre_norm):
+    x = normal(rng, (B, N, D_MODEL))
+    mask = padding_mask(jnp.asarray(np.arange(N)[None] < np.array([[3], [N]])))
+    block = TransformerBlock(num_heads=H, d_ff=13, pre_norm=pre_norm)
+    params = init_params(block, x)
+    p = params["params"]
+    assert set(p) == {"attention", "norm1", "norm2", "ffn"}
+
+    attn = lambda y: np_mha(p["attention"], y, y, y, H, H, np_attention, mask)[0]
+    ffn = lambda y: dense(gelu(dense(y, p["ffn"]["hidden"])), p["ffn"]["output"])
+    x64 = np.asarray(x, np.float64)
+    if pre_norm:
+        y = x64 + attn(layer_norm(x64, p["norm1"]))
+        expected = y + ffn(layer_norm(y, p["norm2"]))
+    else:
+        y = layer_norm(x64 + attn(x64), p["norm1"])
+        expected = layer_norm(y + ffn(y), p["norm2"])
+    got = block.apply(params, x, mask)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+    other = TransformerBlock(num_heads=H, d_ff=13, pre_norm=not pre_norm).apply(params, x, mask)
+    assert not np.allclose(got, other, atol=1e-2)
+
+
+def test_transformer_block_return_weights(rng):
+    x = normal(rng, (B, N, D_MODEL))
+    block = TransformerBlock(num_heads=H, d_ff=13, num_kv_heads=1)
+    params = init_params(block, x)
+    y, w = block.apply(params, x, is_causal=True, return_weights=True)
+    chex.assert_shape(y, (B, N, D_MODEL))
+    chex.assert_shape(w, (B, H, N, N))
+    np.testing.assert_allclose(jnp.sum(w, -1), np.ones((B, H, N)), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(w)[..., ~np.asarray(causal_mask(N))], 0.0)
+    np.testing.assert_array_equal(y, block.apply(params, x, is_causal=True))
+
+
+# ---------------------------------------------------------------- gradient flow
+
+
+def nonzero_finite_grads(grads, skip=()):
+    flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+    assert flat
+    for path, g in flat:
+        name = jax.tree_util.keystr(path)
+        assert np.all(np.isfinite(g)), name
+        if not any(s in name for s in skip):
+            assert np.any(np.abs(g) > 1e-8), f"zero gradient for {name}"
+    return {jax.tree_util.keystr(p): g for p, g in flat}
+
+
+def test_every_mha_parameter_gets_a_gradient(rng):
+    x = normal(rng, (B, N, D_MODEL))
+    target = normal(rng, (B, N, D_MODEL))
+    model = MultiHeadAttention(num_heads=H, qkv_bias=True, out_bias=True)
+    params = jax.jit(model.init)(jax.random.key(0), x)  # the real initialisers: zero biases
+    loss = lambda p: jnp.sum((model.apply(p, x, is_causal=True) - target) ** 2)
+    grads = nonzero_finite_grads(jax.grad(loss)(params), skip=("['key']['bias']",))
+    assert len(grads) == 8
+    # Adding the same vector to every key shifts a whole softmax row by a constant:
+    # the key bias cannot change the output, so its gradient is (numerically) zero.
+    np.testing.assert_allclose(grads["['params']['key']['bias']"], 0.0, atol=1e-4)
+
+
+@pytest.mark.parametrize("pre_norm", [False, True])
+def test_every_transformer_block_parameter_gets_a_gradient(rng, pre_norm):
+    x = normal(rng, (B, N, D_MODEL))
+    target = normal(rng, (B, N, D_MODEL))
+    block = TransformerBlock(num_heads=H, d_ff=13, pre_norm=pre_norm)
+    params = jax.jit(block.init)(jax.random.key(0), x)  # the real initialisers: zero biases
+    loss = lambda p: jnp.sum((block.apply(p, x, is_causal=True) - target) ** 2)
+
+    grads = nonzero_finite_grads(jax.grad(loss)(params))
+    assert len(grads) == 13  # 4 kernels + out bias, 2 LayerNorms x 2, 2 Dense x 2
+
+
+# ------------------------------------------------------------------ jit and vmap
+
+
+def test_jitted_apply_does_not_retrace(rng):
+    chex.clear_trace_counter()
+    model = MultiHeadAttention(num_heads=H)
+    x = normal(rng, (B, N, D_MODEL))
+    params = init_params(model, x)
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def apply(params, x):
+        return model.apply(params, x, is_causal=True)
+
+    apply(params, x)
+    apply(randomize(params), normal(rng, (B, N, D_MODEL)))  # same shapes: cached
+    with pytest.raises(AssertionError):
+        apply(params, normal(rng, (B, N + 2, D_MODEL)))
+
+
+def test_vmap_over_batch_equals_batched_apply(rng):
+    model = MultiHeadAttention(num_heads=H)
+    x = normal(rng, (B, N, D_MODEL))
+    params = init_params(model, x)
+    vmapped = jax.vmap(lambda x: model.apply(params, x, is_causal=True))(x)
+    np.testing.assert_allclose(vmapped, model.apply(params, x, is_causal=True), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------ ValueErrors
+
+
+def test_d_model_not_divisible_by_num_heads():
+    model = MultiHeadAttention(num_heads=7, d_model=768)
+    with pytest.raises(ValueError, match=re.escape("d_model=768 is not divisible by num_heads=7")):
+        model.init(jax.random.key(0), jnp.ones((1, 3, 768)))
+    with pytest.raises(ValueError, match=re.escape("d_model=10 is not divisible by num_heads=3")):
+        MultiHeadAttention(num_heads=3).init(jax.random.key(0), jnp.ones((1, 3, 10)))
+
+
+def test_num_heads_not_divisible_by_num_kv_heads():
+    model = MultiHeadAttention(num_heads=6, num_kv_heads=4, d_model=30)
+    with pytest.raises(ValueError, match=re.escape("num_heads=6 is not divisible by num_kv_heads=4")):
+        model.init(jax.random.key(0), jnp.ones((1, 3, 30)))
+
+
+def test_module_input_errors(rng):
+    model = MultiHeadAttention(num_heads=H)
+    x = normal(rng, (B, N, D_MODEL))
+    params = init_params(model, x)
+    with pytest.raises(ValueError, match=re.escape("key length 7 != value length 5")):
+        model.apply(params, x, normal(rng, (B, S, D_MODEL)), normal(rng, (B, 5, D_MODEL)))
+    with pytest.raises(ValueError, match=re.escape("query must have shape (B…, length, features), got shape (33,)")):
+        model.apply(params, x[0, 0])
+    with pytest.raises(ValueError, match=r"batch dims differ"):
+        model.apply(params, x, normal(rng, (3, S, D_MODEL)))
+    with pytest.raises(ValueError, match=re.escape("mask of shape (2, 4) does not broadcast to (B…, H, N, S) = (2, 3, 5, 5)")):
+        model.apply(params, x, mask=jnp.ones((2, 4), bool))
+    with pytest.raises(ValueError, match=re.escape("head_mask of shape (2,) does not broadcast to (B…, H) = (2, 3)")):
+        model.apply(params, x, head_mask=jnp.ones(2))
+    with pytest.raises(ValueError, match=r"return_weights=True needs implementation='xla'"):
+        MultiHeadAttention(num_heads=H, implementation="blockwise").apply(params, x, return_weights=True)
+    with pytest.raises(ValueError, match=r"implementation must be one of .*got 'fast'"):
+        MultiHeadAttention(num_heads=H, implementation="fast").apply(params, x)
