@@ -78,7 +78,7 @@ def full() -> AblationConfig:
         task=task,
         model=ModelConfig(vocab_size=task.vocab_size, max_len=task.seq_len, d_model=256, d_ff=1024),
         train=TrainConfig(batch_size=64, num_steps=1500, learning_rate=1e-3, warmup_steps=100,
-                          steps_per_call=50, eval_every=100, eval_size=256),
+                          steps_per_call=50, eval_every=50, eval_size=256),
     )
 
 
@@ -263,19 +263,21 @@ def plot_results(results: dict, out: Path) -> None:
     save_figure(fig, out / "accuracy_vs_heads.png")
 
     layers = results["config"]["model"]["num_layers"]
-    fig, axes = plt.subplots(len(keys), 1, figsize=(10, 1.9 * len(keys) + 0.8), squeeze=False)
+    fig, axes = plt.subplots(len(keys), 1, figsize=(10, 1.9 * len(keys) + 0.9), squeeze=False)
     for ax, key in zip(axes[:, 0], keys):
         h = int(key)
-        ent = np.asarray([r["entropy_normalized"] for r in results["heads"][key]["runs"]])  # (seeds, layers, H)
+        # Head indices are arbitrary (any permutation is the same model), so heads are
+        # ranked by entropy within each seed and layer before averaging over seeds.
+        ent = np.sort(np.asarray([r["entropy_normalized"] for r in results["heads"][key]["runs"]]), axis=-1)
         width = 0.8 / layers
         for layer in range(layers):
             x = np.arange(h) + (layer - (layers - 1) / 2) * width
             ax.bar(x, ent[:, layer].mean(0), width, yerr=ent[:, layer].std(0), capsize=2,
                    label=f"layer {layer}", color=plt.cm.tab10(layer))
-        ax.set(ylim=(0, 1), ylabel=f"h={h}", xticks=np.arange(h) if h <= 16 else [])
+        ax.set(ylim=(0, 1), ylabel=f"h={h}", xticks=np.arange(h))
         ax.grid(alpha=0.3, axis="y")
-    axes[0, 0].legend(ncol=layers, loc="upper right", fontsize=8)
-    axes[-1, 0].set_xlabel("head index")
+    axes[0, 0].legend(ncol=layers, loc="upper left", fontsize=8)
+    axes[-1, 0].set_xlabel("head rank within its layer (0 = most focused)")
     fig.suptitle("Attention entropy per head at scored queries, normalised by ln(#visible keys)\n"
                  "(0 = attends to one key, 1 = uniform; mean ± std over seeds)")
     save_figure(fig, out / "entropy_per_head.png")
