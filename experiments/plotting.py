@@ -1,0 +1,269 @@
+"""Matplotlib figures shared by the experiments.
+
+Each function takes plain NumPy data and returns a `Figure` (save it with
+`experiments.common.save_figure`, which also closes it); none of them reads files or
+knows about an experiment's results layout. Call `experiments.common.use_agg_backend()`
+before the first figure.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from jax_mha.data import BOS, EOS, FIRST_SYMBOL, PAD, SEP
+
+_SPECIAL = {PAD: "_", BOS: "<s>", SEP: "|", EOS: "</s>"}
+
+
+def token_labels(tokens: Sequence[int]) -> list[str]:
+    """Readable labels for copy-task tokens: specials as `<s> | </s> _`, content
+    symbols as letters `a, b, …` (symbol 0 = `a`)."""
+    out = []
+    for t in np.asarray(tokens).tolist():
+        if t in _SPECIAL:
+            out.append(_SPECIAL[t])
+        else:
+            i = t - FIRST_SYMBOL
+            out.append(chr(ord("a") + i) if 0 <= i < 26 else str(i))
+    return out
+
+
+def attention_grid(
+    weights: np.ndarray,
+    tokens: Sequence[int],
+    *,
+    titles: Sequence[str],
+    suptitle: str,
+    ncols: int = 4,
+    stripe_offset: int | None = None,
+    cmap: str = "viridis",
+):
+    """Per-head attention heatmaps for one sequence, a grid of subplots.
+
+    Args:
+      weights: `(n, T, T)`, one map per panel (query rows, key columns).
+      tokens: `(T,)` input tokens, labelling both axes.
+      titles: one title per panel.
+      suptitle: the figure title.
+      ncols: panels per row.
+      stripe_offset: if set, a thin dashed guide on key = query − offset.
+      cmap: colormap; one shared colorbar (0 to 1) for every panel.
+
+    Returns:
+      the figure.
+    """
+    import matplotlib.pyplot as plt
+
+    n, t_len, _ = weights.shape
+    ncols = max(1, min(ncols, n))
+    nrows = -(-n // ncols)
+    size = 2.0 + 0.085 * t_len  # inches per panel: room for one label per token
+    fig, axes = plt.subplots(nrows, ncols, figsize=(size * ncols + 1.2, size * nrows + 0.9), squeeze=False)
+    labels = token_labels(tokens)
+    fontsize = max(3.5, min(8.0, 260.0 / t_len))
+    image = None
+    for i, ax in enumerate(axes.flat):
+        if i >= n:
+            ax.set_visible(False)
+            continue
+        image = ax.imshow(weights[i], cmap=cmap, vmin=0.0, vmax=1.0, interpolation="nearest")
+        if stripe_offset is not None and stripe_offset < t_len:
+            q = np.arange(stripe_offset, t_len)
+            ax.plot(q - stripe_offset, q, ls=(0, (1, 3)), color="white", lw=0.6, alpha=0.6)
+            ax.set_xlim(-0.5, t_len - 0.5)
+            ax.set_ylim(t_len - 0.5, -0.5)
+        ax.set_title(titles[i], fontsize=9)
+        ax.set_xticks(range(t_len), labels, rotation=90, fontsize=fontsize)
+        ax.set_yticks(range(t_len), labels, fontsize=fontsize)
+        ax.tick_params(length=1.5, pad=1)
+        if i % ncols == 0:
+            ax.set_ylabel("query (input token)", fontsize=8)
+        if i // ncols == nrows - 1 or i + ncols >= n:
+            ax.set_xlabel("key (input token)", fontsize=8)
+    fig.suptitle(suptitle, fontsize=11)
+    fig.tight_layout(rect=(0, 0, 0.93, 1))
+    cax = fig.add_axes((0.945, 0.15, 0.012, 0.7))
+    fig.colorbar(image, cax=cax, label="attention weight")
+    return fig
+
+
+def layer_head_heatmaps(
+    panels: Sequence[tuple[np.ndarray, str, str]],
+    *,
+    suptitle: str,
+    marks: np.ndarray | None = None,
+    fmt: str = "{:.2f}",
+    cmap: str = "magma",
+):
+    """Side-by-side `(num_layers, H)` heatmaps with values written in the cells.
+
+    Args:
+      panels: `(values (L, H), title, colorbar label)` per panel.
+      suptitle: the figure title.
+      marks: optional bool `(L, H)`; marked cells get a cyan frame in every panel.
+      fmt: cell text format.
+      cmap: colormap.
+
+    Returns:
+      the figure.
+    """
+    import matplotlib.pyplot as plt
+
+    n_layers, n_heads = panels[0][0].shape
+    fig, axes = plt.subplots(1, len(panels), figsize=(len(panels) * (1.2 + 0.75 * n_heads), 1.6 + 0.75 * n_layers), squeeze=False)
+    for ax, (values, title, label) in zip(axes[0], panels):
+        values = np.asarray(values, float)
+        image = ax.imshow(values, cmap=cmap, aspect="auto")
+        fig.colorbar(image, ax=ax, label=label, fraction=0.05, pad=0.03)
+        lo, hi = np.nanmin(values), np.nanmax(values)
+        for (l, h), v in np.ndenumerate(values):
+            light = hi > lo and (v - lo) / (hi - lo) < 0.55
+            ax.text(h, l, fmt.format(v), ha="center", va="center", fontsize=8, color="white" if light else "black")
+        if marks is not None:
+            for l, h in zip(*np.nonzero(marks)):
+                ax.add_patch(plt.Rectangle((h - 0.5, l - 0.5), 1, 1, fill=False, ec="cyan", lw=2))
+        ax.set(title=title, xlabel="head", ylabel="layer", xticks=range(n_heads), yticks=range(n_layers))
+    fig.suptitle(suptitle, fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def pruning_curves(
+    curves: Mapping[str, tuple[np.ndarray, np.ndarray]],
+    *,
+    base_accuracy: float,
+    max_drop: float,
+    chance: float | None,
+    heads_prunable: Mapping[str, int],
+    total_heads: int,
+    title: str,
+):
+    """Accuracy against the fraction of heads pruned, one line per pruning order.
+
+    Args:
+      curves: `label -> (fractions (S,), accuracies (S,))`.
+      base_accuracy: the unpruned model's accuracy.
+      max_drop: the stop rule's tolerance; the band below `base_accuracy` is shaded.
+      chance: a reference accuracy drawn as a dotted line (None: none).
+      heads_prunable: `label -> heads removed before the stop rule fired`, marked.
+      total_heads: all heads of the model (for the marker positions).
+      title: the figure title.
+
+    Returns:
+      the figure.
+    """
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    ax.axhspan(base_accuracy - max_drop, base_accuracy, color="tab:green", alpha=0.15,
+               label=f"within {100 * max_drop:g} point(s) of unpruned")
+    styles = ["o-", "s--", "^-.", "d:"]
+    for i, (label, (fractions, accuracies)) in enumerate(curves.items()):
+        (line,) = ax.plot(fractions, accuracies, styles[i % len(styles)], ms=4, label=label)
+        k = heads_prunable.get(label)
+        if k is not None:
+            idx = int(np.argmin(np.abs(np.asarray(fractions) - k / total_heads)))
+            ax.plot([fractions[idx]], [accuracies[idx]], "*", ms=15, color=line.get_color(), mec="black",
+                    label=f"{label}: {k}/{total_heads} heads prunable")
+    if chance is not None:
+        ax.axhline(chance, color="grey", ls=":", label=f"no-attention chance ({chance:.3f})")
+    ax.set(xlabel="fraction of heads pruned", ylabel="scored-token accuracy (teacher forced)",
+           title=title, xlim=(-0.02, 1.02), ylim=(0, 1.03))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    return fig
+
+
+def timing_plot(rows: Sequence[Mapping], *, title: str):
+    """Time and throughput of attention implementations against sequence length.
+
+    Args:
+      rows: dicts with `impl`, `heads`, `seq`, `fwd_ms`, `fwd_bwd_ms`,
+        `fwd_gflops_per_s`, `fwd_bwd_gflops_per_s`.
+      title: the figure title.
+
+    Returns:
+      the figure: forward and forward+backward milliseconds (log-log) and achieved
+      GFLOP/s; one colour per head count, one line style per implementation.
+    """
+    import matplotlib.pyplot as plt
+
+    heads = sorted({r["heads"] for r in rows})
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    colors = {h: plt.cm.viridis(x) for h, x in zip(heads, np.linspace(0, 0.85, len(heads)))}
+    styles = dict(zip(impls, ["o-", "s--", "^:"]))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    panels = (("fwd_ms", "forward time (ms)"), ("fwd_bwd_ms", "forward + backward time (ms)"),
+              ("fwd_bwd_gflops_per_s", "achieved GFLOP/s, forward + backward"))
+    for ax, (field, label) in zip(axes, panels):
+        for impl in impls:
+            for h in heads:
+                sel = sorted((r for r in rows if r["impl"] == impl and r["heads"] == h), key=lambda r: r["seq"])
+                if sel:
+                    ax.plot([r["seq"] for r in sel], [r[field] for r in sel], styles[impl], color=colors[h],
+                            label=f"{impl}, h={h}", ms=5)
+        ax.set(xscale="log", xlabel="sequence length N", ylabel=label)
+        if field != "fwd_bwd_gflops_per_s":
+            from matplotlib.ticker import LogLocator, NullFormatter, StrMethodFormatter
+
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
+        seqs = sorted({r["seq"] for r in rows})
+        ax.set_xticks(seqs, [str(s) for s in seqs])
+        ax.xaxis.set_minor_locator(plt.NullLocator())
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def param_count_plot(heads: Sequence[int], projections: Mapping[str, Sequence[int]], with_bias: Sequence[int],
+                     block_parts: Mapping[str, int], *, title: str):
+    """Left: attention parameters per head count, stacked by projection (flat in h).
+    Right: one Transformer block's parameters by part, as a labelled horizontal bar.
+
+    Args:
+      heads: the head counts.
+      projections: `name -> parameters without bias, one per head count` (W_Q, …).
+      with_bias: total with biases, one per head count (written above the bars).
+      block_parts: `part -> parameters` of one block.
+      title: the figure title.
+
+    Returns:
+      the figure.
+    """
+    import matplotlib.pyplot as plt
+
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [1, 1.3]})
+    x = np.arange(len(heads))
+    bottom = np.zeros(len(heads))
+    for i, (name, counts) in enumerate(projections.items()):
+        ax0.bar(x, counts, 0.6, bottom=bottom, color=plt.cm.Pastel1(i), ec="grey", label=name)
+        bottom += np.asarray(counts, float)
+    for xi, total, biased in zip(x, bottom, with_bias):
+        ax0.text(xi, total * 1.02, f"{int(total):,}\n({int(biased):,}\nwith biases)", ha="center", va="bottom", fontsize=7)
+    ax0.set_xticks(x, [str(h) for h in heads])
+    ax0.set(xlabel="number of heads h (d_k = d_model / h)", ylabel="parameters (no biases)",
+            title="W_Q, W_K, W_V, W_O: the same for every h", ylim=(0, bottom.max() * 1.6))
+    ax0.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    ax0.legend(fontsize=8, loc="upper center", ncol=4)
+    ax0.grid(alpha=0.3, axis="y")
+    total = sum(block_parts.values())
+    left = 0
+    for i, (name, count) in enumerate(block_parts.items()):
+        ax1.barh([0], [count], left=left, color=plt.cm.tab10(i), label=f"{name}: {count:,} ({100 * count / total:.1f}%)")
+        if count / total > 0.08:
+            ax1.text(left + count / 2, 0, f"{name}\n{100 * count / total:.1f}%", ha="center", va="center", color="white")
+        left += count
+    ax1.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    ax1.set(yticks=[], xlabel="parameters", title=f"One Transformer block: {total:,} parameters", xlim=(0, total))
+    ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(block_parts))
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    return fig

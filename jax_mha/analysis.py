@@ -1,0 +1,436 @@
+"""Which heads matter: importance, single-head ablation, iterative pruning, attention
+statistics — for the copy-task model (`jax_mha.models.CopyTransformer`).
+
+Every head of every layer has a gate ξ(l, h) (`head_mask`, shape `(num_layers, H)`,
+all ones by default) multiplying its output before the heads are combined. Setting a
+gate to 0 removes the head; the gradient of the loss w.r.t. a gate is Michel et al.
+(2019), "Are Sixteen Heads Really Better than One?", eq. 2:
+
+    I(l, h) = E_x | ∂L(x) / ∂ξ(l, h) |
+
+a first-order estimate of how much the loss changes when the head is removed.
+
+Compiled functions here take the model as a static argument and params, batch and
+gates as traced ones, so repeated calls with the same shapes (every step of
+`prune_heads_iteratively`) reuse one compilation.
+
+Batches are the dicts of `jax_mha.data.make_batch`: int `inputs (B, T)`, int
+`targets (B, T)`, bool `scored (B, T)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_mha.models import CopyTransformer
+from jax_mha.train import scored_loss
+
+ORDERS = ("importance", "oracle")
+
+
+def gate_shape(model: CopyTransformer) -> tuple[int, int]:
+    """`(num_layers, num_heads)`, the shape of the model's head gates."""
+    return (model.config.num_layers, model.config.num_heads)
+
+
+def _gates_or_ones(model: CopyTransformer, gates) -> jax.Array:
+    shape = gate_shape(model)
+    if gates is None:
+        return jnp.ones(shape, jnp.float32)
+    gates = jnp.asarray(gates, jnp.float32)
+    if gates.shape != shape:
+        raise ValueError(f"gates must have shape (num_layers, num_heads) = {shape}, got {gates.shape}")
+    return gates
+
+
+def _loss_and_accuracy(params, model: CopyTransformer, batch: dict, gates: jax.Array):
+    """Teacher-forced scored loss and token accuracy of the gated model on `batch`."""
+    logits = model.apply({"params": params}, batch["inputs"], head_mask=gates)  # (B, T, V)
+    return scored_loss(logits, batch)
+
+
+# ----------------------------------------------------------------- gate evaluation
+
+
+@functools.partial(jax.jit, static_argnames=("model", "chunk_size"))
+def _gate_metrics(params, model, batch, gate_stack, chunk_size):
+    fn = lambda g: _loss_and_accuracy(params, model, batch, g)
+    if chunk_size is None:
+        loss, acc = jax.vmap(fn)(gate_stack)
+    else:  # vmap over chunks of the stack: same program, bounded memory
+        loss, acc = jax.lax.map(fn, gate_stack, batch_size=chunk_size)
+    return acc, loss
+
+
+def gate_metrics(
+    params, model: CopyTransformer, batch: dict, gate_stack: jax.Array, *, chunk_size: int | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Accuracy and loss of the model under each gate configuration of a stack.
+
+    All configurations run in one compiled call (vmap over the stack), compiled once
+    per stack shape.
+
+    Args:
+      params: the model's parameters.
+      model: the copy-task model.
+      batch: `inputs`, `targets`, `scored`, each `(B, T)`.
+      gate_stack: float `(G, num_layers, H)`.
+      chunk_size: if set, vmap over chunks of this many configurations (a
+        `lax.map`), trading speed for memory.
+
+    Returns:
+      `(accuracy (G,), loss (G,))`: scored-token accuracy (teacher forced) and mean
+      cross-entropy on scored positions.
+
+    Raises:
+      ValueError: if `gate_stack` is not `(G, num_layers, H)`.
+    """
+    gate_stack = jnp.asarray(gate_stack, jnp.float32)
+    if gate_stack.ndim != 3 or gate_stack.shape[1:] != gate_shape(model):
+        raise ValueError(
+            f"gate_stack must have shape (G, num_layers, num_heads) = (G, {gate_shape(model)[0]}, "
+            f"{gate_shape(model)[1]}), got {gate_stack.shape}"
+        )
+    return _gate_metrics(params, model, batch, gate_stack, chunk_size)
+
+
+def make_accuracy_fn(params, model: CopyTransformer, batch: dict) -> Callable[[Any], float]:
+    """`accuracy(gates) -> float`: scored-token accuracy under `(num_layers, H)` gates.
+
+    Compiled once (on the first call); later calls with any gate values reuse it.
+    """
+
+    def accuracy(gates) -> float:
+        acc, _ = gate_metrics(params, model, batch, _gates_or_ones(model, gates)[None])
+        return float(acc[0])
+
+    return accuracy
+
+
+def single_head_off_gates(gates: jax.Array) -> jax.Array:
+    """Every configuration with one more head switched off.
+
+    Args:
+      gates: `(num_layers, H)`.
+
+    Returns:
+      `(num_layers * H, num_layers, H)`: entry `l * H + h` is `gates` with `(l, h)`
+      set to 0 (identical to `gates` where that head was already off).
+    """
+    n_layers, n_heads = gates.shape
+    eye = jnp.eye(n_layers * n_heads, dtype=gates.dtype).reshape(n_layers * n_heads, n_layers, n_heads)
+    return gates[None] * (1.0 - eye)  # (L*H, L, H)
+
+
+def ablate_each_head(
+    params, model: CopyTransformer, batch: dict, *, gates: jax.Array | None = None,
+    chunk_size: int | None = None,
+) -> jax.Array:
+    """Michel et al.'s "oracle": the accuracy lost when each single head is removed.
+
+    All `num_layers * H` configurations are evaluated in one vmapped, jitted call.
+
+    Args:
+      params: the model's parameters.
+      model: the copy-task model.
+      batch: `inputs`, `targets`, `scored`, each `(B, T)`.
+      gates: `(num_layers, H)`, the model to start from (default: all heads on).
+      chunk_size: see `gate_metrics`.
+
+    Returns:
+      `(num_layers, H)`: accuracy with `gates` minus accuracy with head `(l, h)`
+      also off; 0 for heads already off.
+
+    Raises:
+      ValueError: if `gates` has the wrong shape.
+    """
+    drops, _ = _ablation(params, model, batch, _gates_or_ones(model, gates), chunk_size)
+    return drops
+
+
+@functools.partial(jax.jit, static_argnames=("model", "chunk_size"))
+def _ablation(params, model, batch, gates, chunk_size):
+    """(accuracy drops, loss increases), both `(num_layers, H)`, in one compiled call."""
+    stack = jnp.concatenate([gates[None], single_head_off_gates(gates)])  # (1 + L*H, L, H)
+    acc, loss = _gate_metrics(params, model, batch, stack, chunk_size)
+    shape = gates.shape
+    return (acc[0] - acc[1:]).reshape(shape), (loss[1:] - loss[0]).reshape(shape)
+
+
+# ----------------------------------------------------------------- head importance
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def per_example_gate_gradients(params, model: CopyTransformer, batch: dict, gates: jax.Array) -> jax.Array:
+    """∂L_n/∂ξ for every example n: `(B, num_layers, H)`.
+
+    `L_n` is the mean cross-entropy over example n's scored positions
+    (`train.scored_loss` on a batch of one); gradients are taken per example with
+    `vmap(grad(·))`, not from the batch-summed loss, so that positive and negative
+    contributions of different examples do not cancel before the absolute value.
+    """
+
+    def example_loss(g, example):
+        one = jax.tree.map(lambda x: x[None], example)  # a batch of one: (1, T)
+        loss, _ = _loss_and_accuracy(params, model, one, g)
+        return loss
+
+    return jax.vmap(jax.grad(example_loss), in_axes=(None, 0))(gates, batch)  # (B, L, H)
+
+
+def normalize_per_layer(scores: jax.Array, eps: float = 1e-20) -> jax.Array:
+    """Divides each layer's row of `(num_layers, H)` scores by its ℓ2 norm (Michel et
+    al. §4.1, after Molchanov et al. 2017); an all-zero row stays zero."""
+    norm = jnp.sqrt(jnp.sum(jnp.square(scores), axis=-1, keepdims=True))  # (L, 1)
+    return scores / jnp.maximum(norm, eps)
+
+
+def head_importance(
+    params, model: CopyTransformer, batch: dict, *, gates: jax.Array | None = None, normalize: bool = True
+) -> jax.Array:
+    """Michel et al. 2019's importance proxy `I(l, h) = mean_n |∂L_n/∂ξ(l, h)|`.
+
+    Args:
+      params: the model's parameters.
+      model: the copy-task model.
+      batch: `inputs`, `targets`, `scored`, each `(B, T)`; every example counts
+        equally.
+      gates: `(num_layers, H)` gates the gradient is taken at (default all ones: the
+        full model). Heads whose gate is 0 are not part of the model: they get
+        importance 0 and do not enter their layer's normalisation.
+      normalize: divide each layer's scores by their ℓ2 norm (Michel et al.'s
+        default), which makes scores comparable across layers.
+
+    Returns:
+      float32 `(num_layers, H)`.
+
+    Raises:
+      ValueError: if `gates` has the wrong shape.
+    """
+    return _importance(params, model, batch, _gates_or_ones(model, gates), normalize)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "normalize"))
+def _importance(params, model, batch, gates, normalize):
+    grads = per_example_gate_gradients(params, model, batch, gates)  # (B, L, H)
+    scores = jnp.mean(jnp.abs(grads), axis=0) * (gates != 0)  # (L, H)
+    return normalize_per_layer(scores) if normalize else scores
+
+
+# ----------------------------------------------------------------- iterative pruning
+
+
+@dataclasses.dataclass
+class PruningStep:
+    """The model after one pruning step."""
+
+    num_pruned: int  # heads off in total
+    removed: list[tuple[int, int]]  # (layer, head) switched off at this step ([] at step 0)
+    gates: np.ndarray  # (num_layers, H), 1 = kept
+    accuracy: float  # scored-token accuracy (teacher forced) on the evaluation batch
+    loss: float  # scored cross-entropy on the evaluation batch
+    scores: np.ndarray | None  # (num_layers, H) the ranking this step's choice came from (None at step 0)
+    within_rule: bool  # accuracy >= unpruned accuracy - max_drop
+
+
+@dataclasses.dataclass
+class PruningResult:
+    """What `prune_heads_iteratively` returns."""
+
+    order: str
+    total_heads: int
+    base_accuracy: float  # the unpruned model
+    max_drop: float
+    steps: list[PruningStep]
+    heads_prunable: int  # heads off at the last step before the stop rule first fired
+    stop_rule_fired: bool  # False: every recorded step stayed within max_drop
+
+    @property
+    def fractions(self) -> np.ndarray:
+        """Fraction of heads pruned at each recorded step."""
+        return np.asarray([s.num_pruned / self.total_heads for s in self.steps])
+
+    @property
+    def accuracies(self) -> np.ndarray:
+        return np.asarray([s.accuracy for s in self.steps])
+
+    def surviving_gates(self) -> np.ndarray:
+        """Gates of the most-pruned model still within the stop rule."""
+        return next(s.gates for s in self.steps if s.num_pruned == self.heads_prunable)
+
+    def to_dict(self) -> dict:
+        """Plain Python (for JSON)."""
+        out = dataclasses.asdict(self)
+        for step in out["steps"]:
+            step["gates"] = np.asarray(step["gates"]).tolist()
+            step["scores"] = None if step["scores"] is None else np.asarray(step["scores"]).tolist()
+            step["removed"] = [list(x) for x in step["removed"]]
+        out["fractions"] = self.fractions.tolist()
+        return out
+
+
+def _lowest(scores: np.ndarray, alive: np.ndarray, k: int, tiebreak: np.ndarray | None = None) -> list[tuple[int, int]]:
+    """The `k` alive heads with the smallest scores (ties: smaller `tiebreak`, then
+    lower layer and head index)."""
+    flat_scores = np.where(alive, scores, np.inf).ravel()
+    keys = (np.zeros_like(flat_scores) if tiebreak is None else tiebreak.ravel(), flat_scores)
+    order = np.lexsort(keys)  # last key is primary
+    n_heads = scores.shape[1]
+    return [divmod(int(i), n_heads) for i in order[: min(k, int(alive.sum()))]]
+
+
+def prune_heads_iteratively(
+    params,
+    model: CopyTransformer,
+    batch: dict,
+    *,
+    order: str = "importance",
+    max_drop: float = 0.01,
+    heads_per_step: int = 1,
+    score_batch: dict | None = None,
+    normalize: bool = True,
+    run_to_end: bool = False,
+    chunk_size: int | None = None,
+    callback: Callable[[PruningStep], None] | None = None,
+) -> PruningResult:
+    """Removes the least important heads step by step (Michel et al. 2019, §4).
+
+    Each step recomputes the ranking on the model pruned so far and switches off the
+    `heads_per_step` lowest-ranked heads still on:
+
+    - `order="importance"`: by `head_importance` (per-example gate gradients);
+    - `order="oracle"`: by `ablate_each_head`, the accuracy actually lost when the
+      head is removed (ties, common once a model is perfect, broken by the loss
+      increase).
+
+    The stop rule fires at the first step whose accuracy is more than `max_drop`
+    (absolute, accuracy in [0, 1]) below the unpruned model's.
+
+    Args:
+      params: the model's parameters.
+      model: the copy-task model.
+      batch: the evaluation batch: every recorded accuracy is measured on it.
+      order: "importance" or "oracle".
+      max_drop: the stop rule's tolerance (0.01 = 1 accuracy point).
+      heads_per_step: heads switched off per step.
+      score_batch: the batch the rankings are computed on (default `batch`); keep it
+        apart from `batch` so the heads are not chosen on the examples that score them.
+      normalize: per-layer ℓ2 normalisation of the importance scores.
+      run_to_end: keep pruning after the stop rule fired, down to zero heads (for a
+        full accuracy-vs-pruned curve); `heads_prunable` is unaffected.
+      chunk_size: see `gate_metrics`.
+      callback: called with each recorded step (progress bars).
+
+    Returns:
+      A `PruningResult`; `steps[0]` is the unpruned model.
+
+    Raises:
+      ValueError: for an unknown order, `heads_per_step < 1` or `max_drop < 0`.
+    """
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    if heads_per_step < 1:
+        raise ValueError(f"heads_per_step must be >= 1, got {heads_per_step}")
+    if max_drop < 0:
+        raise ValueError(f"max_drop must be >= 0, got {max_drop}")
+    score_batch = batch if score_batch is None else score_batch
+    shape = gate_shape(model)
+    total = shape[0] * shape[1]
+
+    def record(gates):
+        acc, loss = gate_metrics(params, model, batch, jnp.asarray(gates)[None], chunk_size=chunk_size)
+        return float(acc[0]), float(loss[0])
+
+    gates = np.ones(shape, np.float32)
+    base_acc, base_loss = record(gates)
+    threshold = base_acc - max_drop
+    steps = [PruningStep(0, [], gates.copy(), base_acc, base_loss, None, True)]
+    if callback is not None:
+        callback(steps[0])
+    heads_prunable, fired = 0, False
+    while gates.sum() > 0 and (run_to_end or not fired):
+        alive = gates > 0
+        if order == "importance":
+            scores = np.asarray(head_importance(params, model, score_batch, gates=jnp.asarray(gates), normalize=normalize))
+            removed = _lowest(scores, alive, heads_per_step)
+        else:
+            drops, loss_up = _ablation(params, model, score_batch, jnp.asarray(gates), chunk_size)
+            scores = np.asarray(drops)
+            removed = _lowest(scores, alive, heads_per_step, tiebreak=np.asarray(loss_up))
+        for layer, head in removed:
+            gates[layer, head] = 0.0
+        acc, loss = record(gates)
+        ok = acc >= threshold
+        num_pruned = total - int(gates.sum())
+        if ok and not fired:
+            heads_prunable = num_pruned
+        fired = fired or not ok
+        steps.append(PruningStep(num_pruned, removed, gates.copy(), acc, loss, scores, ok))
+        if callback is not None:
+            callback(steps[-1])
+    return PruningResult(order, total, base_acc, max_drop, steps, heads_prunable, fired)
+
+
+# ----------------------------------------------------------------- attention statistics
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def attention_weights(params, model: CopyTransformer, inputs: jax.Array, gates: jax.Array | None = None) -> jax.Array:
+    """Attention weights of every layer under `gates` (default all on), jitted.
+
+    Args:
+      params: the model's parameters.
+      model: the copy-task model.
+      inputs: int `(B, T)`.
+      gates: `(num_layers, H)` or None.
+
+    Returns:
+      `(num_layers, B, H, T, T)`. A gated-off head still has weights (its output is
+      what the gate removes); later layers see the effect of earlier gates.
+    """
+    _, weights = model.apply({"params": params}, inputs, head_mask=gates, return_weights=True)
+    return weights
+
+
+def offset_profile(weights: jax.Array, query_mask: jax.Array | None = None) -> jax.Array:
+    """Mean attention weight at each query−key offset.
+
+    Args:
+      weights: `(B, H, T, T)` (or with more leading axes, e.g. `(layers, B, H, T, T)`),
+        causal self-attention weights.
+      query_mask: bool `(B, T)`, the queries to average over (default all). Only
+        queries `t >= offset` count towards offset `offset`.
+
+    Returns:
+      `(…, H, T)` (batch axis averaged out): entry `o` is the mean over chosen
+      queries t ≥ o of `weights[..., t, t - o]`.
+    """
+    t_len = weights.shape[-1]
+    q_idx = jnp.arange(t_len)[:, None]  # (T, 1)
+    offsets = jnp.arange(t_len)[None, :]  # (1, T)
+    k_idx = jnp.clip(q_idx - offsets, 0, t_len - 1)  # (T_query, T_offset)
+    valid = (q_idx - offsets >= 0).astype(jnp.float32)  # (T, T)
+    gathered = jnp.take_along_axis(
+        weights.astype(jnp.float32), jax.lax.broadcast_to_rank(k_idx, weights.ndim), axis=-1
+    )  # (…, B, H, T_query, T_offset)
+    qm = jnp.ones(weights.shape[-4:-3] + (t_len,), jnp.float32) if query_mask is None else query_mask.astype(jnp.float32)
+    w = qm[:, None, :, None] * valid[None, None]  # (B, 1, T, T)
+    w = jax.lax.broadcast_to_rank(w, weights.ndim)
+    batch_axis = weights.ndim - 4
+    total = jnp.sum(gathered * w, axis=(batch_axis, -2))  # (…, H, T)
+    count = jnp.sum(jnp.broadcast_to(w, gathered.shape), axis=(batch_axis, -2))
+    return total / jnp.maximum(count, 1.0)
+
+
+def diagonal_weight(weights: jax.Array, offset: int, query_mask: jax.Array | None = None) -> jax.Array:
+    """Mean weight each head puts on key = query − `offset` (a stripe in the maps).
+
+    Args and averaging as in `offset_profile`; returns `(…, H)`.
+    """
+    return offset_profile(weights, query_mask)[..., offset]

@@ -1,0 +1,307 @@
+"""Tests for `jax_mha.analysis`: head importance against a Python loop over examples,
+gates against zeroed output-kernel rows, the structure of iterative pruning.
+
+Sizes are distinct primes where they can be (3 heads, 2 layers, d_model 15 -> D = 5,
+T = 12, 7 sequences, 7 symbols), so a swapped layer/head axis cannot pass.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_mha import analysis
+from jax_mha.data import CopyTaskConfig, make_batch
+from jax_mha.models import CopyTransformer, ModelConfig
+from jax_mha.train import scored_loss
+
+TASK = CopyTaskConfig(length=5, num_symbols=7)  # T = 12, vocab 11
+LAYERS, HEADS, D_MODEL = 2, 3, 15
+BATCH = 7
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """A tiny copy model with random (untrained) weights and a batch of 7 sequences.
+
+    The positional table and embeddings are scaled up so attention is far from
+    uniform and every head's gradient is clearly non-zero."""
+    model = CopyTransformer(_config())
+    params = jax.jit(model.init)(jax.random.PRNGKey(3), jnp.zeros((1, TASK.seq_len), jnp.int32))["params"]
+    params = dict(params, positions=params["positions"] * 50.0)
+    batch = jax.jit(make_batch, static_argnums=(1, 2))(jax.random.key(5), TASK, BATCH)
+    return model, params, batch
+
+
+@jax.jit
+def _apply(params, inputs, gates):
+    return CopyTransformer(_config()).apply({"params": params}, inputs, head_mask=gates)
+
+
+def _config():
+    return ModelConfig(vocab_size=TASK.vocab_size, max_len=TASK.seq_len + 1, d_model=D_MODEL, num_heads=HEADS,
+                       num_layers=LAYERS, d_ff=22)
+
+
+def apply(params, inputs, gates=None):
+    """The model's logits, jitted (eager apply compiles op by op: slow)."""
+    return _apply(params, inputs, jnp.ones((LAYERS, HEADS)) if gates is None else jnp.asarray(gates, jnp.float32))
+
+
+def loop_gate_gradient(model, params, batch, gates):
+    """Per-example gate gradients, one `jax.grad` call per example: `(B, L, H)`."""
+
+    @jax.jit
+    def grad_one(g, one):
+        loss = lambda g: scored_loss(model.apply({"params": params}, one["inputs"], head_mask=g), one)[0]
+        return jax.grad(loss)(g)
+
+    grads = []
+    for n in range(batch["inputs"].shape[0]):
+        one = {k: v[n : n + 1] for k, v in batch.items()}
+        grads.append(np.asarray(grad_one(gates, one), np.float64))
+    return np.stack(grads)
+
+
+def zero_out_rows(params, layer, head):
+    """Params with head `head`'s rows h*D:(h+1)*D of layer `layer`'s out kernel zeroed."""
+    d = D_MODEL // HEADS
+    kernel = np.array(params[f"block_{layer}"]["attention"]["out"]["kernel"])  # (H*D, d_model)
+    kernel[head * d : (head + 1) * d] = 0.0
+    block = dict(params[f"block_{layer}"])
+    block["attention"] = dict(block["attention"], out=dict(block["attention"]["out"], kernel=kernel))
+    return dict(params, **{f"block_{layer}": block})
+
+
+# ----------------------------------------------------------------- importance
+
+
+def test_per_example_importance_equals_python_loop(setup):
+    model, params, batch = setup
+    ones = jnp.ones((LAYERS, HEADS))
+    grads = loop_gate_gradient(model, params, batch, ones)  # (B, L, H)
+    expected = np.abs(grads).mean(0)
+    got = np.asarray(analysis.head_importance(params, model, batch, normalize=False))
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(analysis.per_example_gate_gradients(params, model, batch, ones)),
+                               grads, rtol=1e-4, atol=1e-7)
+    normalized = expected / np.sqrt((expected**2).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(analysis.head_importance(params, model, batch)), normalized, rtol=1e-4)
+    chex.assert_shape(got, (LAYERS, HEADS))
+    assert np.all(expected > 0)
+
+
+def test_importance_is_not_the_gradient_of_the_batch_loss(setup):
+    """mean |g_n| >= |mean g_n| (every example has the same number of scored tokens,
+    so the batch loss is the mean of the per-example losses), strictly somewhere."""
+    model, params, batch = setup
+    ones = jnp.ones((LAYERS, HEADS))
+    batch_grad = jax.jit(jax.grad(lambda g: scored_loss(apply(params, batch["inputs"], g), batch)[0]))(ones)
+    per_example = np.asarray(analysis.head_importance(params, model, batch, normalize=False))
+    assert np.all(per_example >= np.abs(np.asarray(batch_grad)) - 1e-6)
+    assert np.any(per_example > np.abs(np.asarray(batch_grad)) * 1.05)
+
+
+def test_importance_at_pruned_gates(setup):
+    """Gradients are taken at the given gates; removed heads score 0 and are left out
+    of their layer's normalisation."""
+    model, params, batch = setup
+    gates = np.ones((LAYERS, HEADS), np.float32)
+    gates[1, 2] = 0.0
+    expected = np.abs(loop_gate_gradient(model, params, batch, jnp.asarray(gates))).mean(0) * gates
+    got = np.asarray(analysis.head_importance(params, model, batch, gates=gates, normalize=False))
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-7)
+    normalized = np.asarray(analysis.head_importance(params, model, batch, gates=gates))
+    assert normalized[1, 2] == 0.0
+    np.testing.assert_allclose(np.linalg.norm(normalized, axis=-1), [1.0, 1.0], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(analysis.head_importance(params, model, batch, gates=None)),
+                               np.asarray(analysis.head_importance(params, model, batch, gates=np.ones((LAYERS, HEADS)))))
+
+
+def test_normalize_per_layer_keeps_zero_rows():
+    scores = jnp.asarray([[3.0, 4.0, 0.0], [0.0, 0.0, 0.0]])
+    np.testing.assert_allclose(np.asarray(analysis.normalize_per_layer(scores)), [[0.6, 0.8, 0.0], [0.0, 0.0, 0.0]])
+
+
+# ----------------------------------------------------------------- gates and ablation
+
+
+@pytest.mark.parametrize("layer,head", [(0, 1), (1, 2)])
+def test_gate_off_equals_zeroed_out_kernel_rows(setup, layer, head):
+    model, params, batch = setup
+    gates = jnp.ones((LAYERS, HEADS)).at[layer, head].set(0.0)
+    gated = apply(params, batch["inputs"], gates)
+    zeroed = apply(zero_out_rows(params, layer, head), batch["inputs"])
+    np.testing.assert_allclose(np.asarray(gated), np.asarray(zeroed), rtol=1e-5, atol=1e-5)
+    full = apply(params, batch["inputs"])
+    assert not np.allclose(np.asarray(gated), np.asarray(full), atol=1e-3)  # the head did something
+
+
+def test_ablate_each_head_matches_zeroed_kernels(setup):
+    model, params, batch = setup
+    _, base_acc = scored_loss(apply(params, batch["inputs"]), batch)
+    expected = np.zeros((LAYERS, HEADS))
+    for l in range(LAYERS):
+        for h in range(HEADS):
+            _, acc = scored_loss(apply(zero_out_rows(params, l, h), batch["inputs"]), batch)
+            expected[l, h] = float(base_acc) - float(acc)
+    np.testing.assert_allclose(np.asarray(analysis.ablate_each_head(params, model, batch)), expected, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(analysis.ablate_each_head(params, model, batch, chunk_size=2)), expected, atol=1e-6)
+
+
+def test_ablate_each_head_from_pruned_gates(setup):
+    """Starting from a pruned model, heads already off lose nothing."""
+    model, params, batch = setup
+    gates = np.ones((LAYERS, HEADS), np.float32)
+    gates[0, 0] = 0.0
+    drops = np.asarray(analysis.ablate_each_head(params, model, batch, gates=gates))
+    assert drops[0, 0] == 0.0
+    acc = analysis.make_accuracy_fn(params, model, batch)
+    off = gates.copy()
+    off[1, 1] = 0.0
+    np.testing.assert_allclose(drops[1, 1], acc(gates) - acc(off), atol=1e-6)
+
+
+def test_gate_metrics_matches_separate_calls(setup):
+    model, params, batch = setup
+    rng = np.random.default_rng(0)
+    stack = (rng.random((5, LAYERS, HEADS)) > 0.4).astype(np.float32)
+    acc, loss = analysis.gate_metrics(params, model, batch, stack)
+    chex.assert_shape((acc, loss), (5,))
+    for g, a, lo in zip(stack, np.asarray(acc), np.asarray(loss)):
+        l_ref, a_ref = scored_loss(apply(params, batch["inputs"], g), batch)
+        np.testing.assert_allclose([a, lo], [float(a_ref), float(l_ref)], rtol=1e-5, atol=1e-6)
+
+
+def test_single_head_off_gates():
+    gates = jnp.asarray([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]])
+    stack = np.asarray(analysis.single_head_off_gates(gates))
+    assert stack.shape == (6, 2, 3)
+    for i in range(6):
+        expected = np.asarray(gates).copy()
+        expected[divmod(i, 3)] = 0.0
+        np.testing.assert_array_equal(stack[i], expected)
+
+
+def test_bad_shapes_raise(setup):
+    model, params, batch = setup
+    with pytest.raises(ValueError, match=r"\(num_layers, num_heads\) = \(2, 3\), got \(3, 2\)"):
+        analysis.head_importance(params, model, batch, gates=np.ones((3, 2)))
+    with pytest.raises(ValueError, match=r"gate_stack must have shape"):
+        analysis.gate_metrics(params, model, batch, np.ones((LAYERS, HEADS)))
+    with pytest.raises(ValueError, match="order must be one of"):
+        analysis.prune_heads_iteratively(params, model, batch, order="random")
+    with pytest.raises(ValueError, match="heads_per_step must be >= 1, got 0"):
+        analysis.prune_heads_iteratively(params, model, batch, heads_per_step=0)
+
+
+# ----------------------------------------------------------------- pruning
+
+
+def check_structure(result, total, heads_per_step):
+    """Monotone in heads removed; gates nested; records consistent with themselves."""
+    steps = result.steps
+    assert steps[0].num_pruned == 0 and steps[0].removed == [] and np.all(steps[0].gates == 1)
+    for prev, step in zip(steps, steps[1:]):
+        assert step.num_pruned == min(prev.num_pruned + heads_per_step, total)
+        assert np.all(step.gates <= prev.gates)  # once off, off for good
+        assert total - step.gates.sum() == step.num_pruned
+        for l, h in step.removed:
+            assert prev.gates[l, h] == 1 and step.gates[l, h] == 0
+        assert step.within_rule == (step.accuracy >= result.base_accuracy - result.max_drop)
+
+
+@pytest.mark.parametrize("order", analysis.ORDERS)
+def test_pruning_is_monotone_and_respects_the_stop_rule(setup, order):
+    model, params, batch = setup
+    total = LAYERS * HEADS
+    accuracy = analysis.make_accuracy_fn(params, model, batch)
+    result = analysis.prune_heads_iteratively(params, model, batch, order=order, max_drop=0.0)
+    check_structure(result, total, 1)
+    for step in result.steps:
+        np.testing.assert_allclose(step.accuracy, accuracy(step.gates), atol=1e-7)
+    # It stops at the first step outside the rule (or when no head is left).
+    assert all(s.within_rule for s in result.steps[:-1])
+    assert result.stop_rule_fired == (not result.steps[-1].within_rule)
+    assert result.stop_rule_fired or result.steps[-1].num_pruned == total
+    assert result.heads_prunable == max(s.num_pruned for s in result.steps if s.within_rule)
+    np.testing.assert_array_equal(result.surviving_gates().sum(), total - result.heads_prunable)
+
+    # Run to the end: same prefix, same count, every head gone at last.
+    full = analysis.prune_heads_iteratively(params, model, batch, order=order, max_drop=0.0, run_to_end=True)
+    check_structure(full, total, 1)
+    assert full.heads_prunable == result.heads_prunable
+    assert full.steps[-1].num_pruned == total and len(full.steps) == total + 1
+    for a, b in zip(result.steps, full.steps):
+        np.testing.assert_array_equal(a.gates, b.gates)
+
+
+def test_pruning_without_a_binding_rule_removes_everything(setup):
+    model, params, batch = setup
+    result = analysis.prune_heads_iteratively(params, model, batch, max_drop=1.0, heads_per_step=2)
+    check_structure(result, LAYERS * HEADS, 2)
+    assert [s.num_pruned for s in result.steps] == [0, 2, 4, 6]
+    assert result.heads_prunable == LAYERS * HEADS and not result.stop_rule_fired
+    assert np.all(result.fractions == np.asarray([0, 2, 4, 6]) / 6)
+
+
+def test_first_step_removes_the_lowest_ranked_head(setup):
+    model, params, batch = setup
+    importance = np.asarray(analysis.head_importance(params, model, batch))
+    result = analysis.prune_heads_iteratively(params, model, batch, order="importance", max_drop=1.0)
+    assert result.steps[1].removed == [divmod(int(importance.argmin()), HEADS)]
+    np.testing.assert_allclose(result.steps[1].scores, importance, rtol=1e-6)
+
+    drops = np.asarray(analysis.ablate_each_head(params, model, batch))
+    oracle = analysis.prune_heads_iteratively(params, model, batch, order="oracle", max_drop=1.0)
+    (l, h), = oracle.steps[1].removed
+    assert drops[l, h] == drops.min()
+
+
+def test_pruning_compiles_once_per_shape(setup):
+    """Each step reuses the compiled accuracy / importance / ablation functions."""
+    model, params, batch = setup
+    analysis.prune_heads_iteratively(params, model, batch, max_drop=1.0, order="importance")
+    analysis.prune_heads_iteratively(params, model, batch, max_drop=1.0, order="oracle")
+    sizes = (analysis._gate_metrics._cache_size(), analysis._importance._cache_size(), analysis._ablation._cache_size())
+    other = jax.tree.map(lambda x: x * 1.01, params)  # new values, same shapes
+    analysis.prune_heads_iteratively(other, model, batch, max_drop=1.0, order="importance")
+    analysis.prune_heads_iteratively(other, model, batch, max_drop=1.0, order="oracle")
+    assert (analysis._gate_metrics._cache_size(), analysis._importance._cache_size(),
+            analysis._ablation._cache_size()) == sizes
+
+
+def test_to_dict_is_plain(setup):
+    import json
+
+    model, params, batch = setup
+    result = analysis.prune_heads_iteratively(params, model, batch, max_drop=0.0, order="oracle")
+    record = json.loads(json.dumps(result.to_dict()))
+    assert record["heads_prunable"] == result.heads_prunable
+    assert len(record["steps"]) == len(result.steps) and len(record["fractions"]) == len(result.steps)
+
+
+# ----------------------------------------------------------------- attention statistics
+
+
+def test_offset_profile_matches_loop(setup):
+    model, params, batch = setup
+    weights = np.asarray(analysis.attention_weights(params, model, batch["inputs"]))  # (L, B, H, T, T)
+    scored = np.asarray(batch["scored"])
+    t_len = weights.shape[-1]
+    expected = np.zeros((LAYERS, HEADS, t_len))
+    for l in range(LAYERS):
+        for h in range(HEADS):
+            for o in range(t_len):
+                vals = [weights[l, b, h, t, t - o] for b in range(BATCH) for t in range(o, t_len) if scored[b, t]]
+                expected[l, h, o] = np.mean(vals) if vals else 0.0
+    got = np.asarray(analysis.offset_profile(jnp.asarray(weights), batch["scored"]))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(analysis.diagonal_weight(jnp.asarray(weights[1]), 5, batch["scored"])),
+                               expected[1, :, 5], rtol=1e-5)
+    # Unmasked, on one layer: every query counts.
+    one = np.asarray(analysis.offset_profile(jnp.asarray(weights[0])))
+    np.testing.assert_allclose(one[:, 0], np.diagonal(weights[0], axis1=-2, axis2=-1).mean((0, 2)), rtol=1e-5)
