@@ -10,6 +10,7 @@ Every function here is jit-, vmap- and grad-safe.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -21,9 +22,17 @@ from jax_mha.blockwise import blockwise_attention
 IMPLEMENTATIONS = ("xla", "blockwise", "cudnn", "auto")
 
 # Sequences with at least this many query x key pairs per head go to the blockwise
-# path under implementation="auto": below it the N x S scores fit comfortably in cache
-# and the plain path is faster (see experiments/benchmark.py).
-AUTO_BLOCKWISE_MIN_SCORES = 2048 * 2048
+# path under implementation="auto". Below it the plain path, which computes a block
+# of query rows at a time, is the faster one (2-core CPU, B=1, H=8, d_model=512,
+# forward+backward: 1.55x at N=2048, 1.43x at N=4096 and N=8192; see
+# experiments/benchmark.py); from it on, the (B, H, N, S) weights it keeps for the
+# gradient (256 MB per head at 8192²) cost more than the speed is worth, and the
+# blockwise path keeps memory linear in N.
+AUTO_BLOCKWISE_MIN_SCORES = 8192 * 8192
+
+# The plain path computes the float32 scores of at most this many bytes at a time
+# (a lax.map over blocks of query rows; see `_chunked_attention_core`).
+XLA_CHUNK_SCORE_BYTES = 8 * 2**20
 
 
 def split_heads(x: jax.Array, num_heads: int) -> jax.Array:
@@ -194,34 +203,177 @@ def _combined_mask(mask, kv_lengths, is_causal, n, s):
     return out
 
 
-def _xla_attention(q, k, v, mask, bias, scale, dropout_rate, dropout_rng, deterministic):
-    """Reference path: materialises the `(B…, H, N, S)` weights. Returns (out, weights)."""
+# Einsum strings of the plain path, by layout: without GQA (G == 1) the heads stay one
+# axis, as reshaping N x S arrays between (K, G) and H costs XLA a copy of each (and
+# of each gradient); with GQA, K/V are shared by the G query heads of a group.
+_SCORES = {False: "...hnd,...hsd->...hns", True: "...kgnd,...ksd->...kgns"}  # q·k
+_MIX = {False: "...hns,...hsd->...hnd", True: "...kgns,...ksd->...kgnd"}  # weights·v, dS·k
+_MIX_T = {False: "...hns,...hnd->...hsd", True: "...kgns,...kgnd->...ksd"}  # weightsᵀ·dO, dSᵀ·q
+
+
+def _masked_softmax(logits, mask):
+    """float32 softmax over the last axis; masked entries and fully masked rows are 0."""
+    if mask is None:
+        # Written out (not jax.nn.softmax) so that XLA:CPU fuses scores, softmax and
+        # weights·v into one kernel; l >= 1 since the row maximum contributes exp(0).
+        p = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
+        return p * (1.0 / jnp.sum(p, axis=-1, keepdims=True))
+    # A finite floor (not -inf) keeps fully masked rows NaN-free; they come out
+    # uniform and the second where() zeroes them (other rows' masked entries are
+    # already exp(-huge) = 0).
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    p = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
+    return jnp.where(mask, p * (1.0 / jnp.sum(p, axis=-1, keepdims=True)), 0.0)
+
+
+def _reduce_to(x, shape):
+    """Sums `x` over the axes where `shape` (same rank) has size 1: a broadcast's transpose."""
+    axes = tuple(i for i, (a, b) in enumerate(zip(x.shape, shape)) if b == 1 and a != 1)
+    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+def _core_forward(grouped, q, k, v, mask, bias):
+    """`(out, weights)`; q pre-scaled, layouts and mask/bias ranks as the logits."""
+    logits = jnp.einsum(_SCORES[grouped], q, k, preferred_element_type=jnp.float32)
+    if bias is not None:
+        logits = logits + bias
+    weights = _masked_softmax(logits, mask)
+    return jnp.einsum(_MIX[grouped], weights.astype(v.dtype), v), weights
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention_core(grouped, q, k, v, mask, bias):
+    """softmax(q kᵀ + bias, mask) v with a hand-written backward pass.
+
+    Autodiff of the softmax walks the N x S arrays about ten times and keeps several of
+    them alive; this VJP (the FlashAttention-2 backward, Dao 2023, in one block) keeps
+    only the weights W and needs three N x S passes: dW = dO vᵀ, then
+    dS = W ⊙ (dW - rowsum(dO ⊙ O)), read by dq = dS k and dk = dSᵀ q. On CPU every
+    fresh N x S buffer also costs page faults, so fewer of them is most of the gain.
+    Reverse mode only, like any custom VJP: `jax.jvp` through `attention` needs the
+    weights path (`return_weights=True`).
+    """
+    return _core_forward(grouped, q, k, v, mask, bias)[0]
+
+
+def _attention_core_fwd(grouped, q, k, v, mask, bias):
+    out, weights = _core_forward(grouped, q, k, v, mask, bias)
+    return out, (q, k, v, mask, bias, weights, out)
+
+
+def _attention_core_bwd(grouped, res, d_out):
+    q, k, v, mask, bias, weights, out = res
+    # rowsum(dW ⊙ W) = dO · O, an N x D product instead of an N x S one.
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+    dv = jnp.einsum(_MIX_T[grouped], weights.astype(v.dtype), d_out.astype(v.dtype))
+    dw = jnp.einsum(_SCORES[grouped], d_out, v, preferred_element_type=jnp.float32)
+    ds = weights * (dw - delta)  # d loss / d logits; 0 where masked and in fully masked rows
+    dq = jnp.einsum(_MIX[grouped], ds.astype(k.dtype), k)
+    dk = jnp.einsum(_MIX_T[grouped], ds.astype(q.dtype), q)
+    dbias = None if bias is None else _reduce_to(ds, bias.shape).astype(bias.dtype)
+    # The mask is boolean: no cotangent.
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, dbias
+
+
+_attention_core.defvjp(_attention_core_fwd, _attention_core_bwd)
+
+
+def _chunked_attention_core(grouped, q, k, v, mask, bias):
+    """`_attention_core` over blocks of query rows (a `lax.map`), each block's float32
+    scores (all heads, all keys) at most XLA_CHUNK_SCORE_BYTES.
+
+    Query rows are independent given all the keys, so this is the same function; what
+    changes is memory. The whole (B…, H, N, S) scores (32 MB at B=4, H=8, N=S=512) are
+    too big for the allocator to recycle: glibc serves blocks of 32 MB and more from
+    mmap and hands them back, so every call page-faults them in anew, which on CPU
+    costs more than the attention arithmetic. Blocks of a few MB come from the heap,
+    are reused, and stay in cache: on a 2-core CPU the attention runs 1.2-1.5x faster
+    forward and 1.1-1.4x forward+backward at N >= 512 than in one block.
+    Blocking the query axis, not the heads, keeps every (B…, H) axis whole, so a batch
+    sharded over "data" and heads over "model" (`jax_mha.parallel`) stay sharded inside
+    the loop without any all-gather (blocks of heads need one per block).
+
+    Layouts as `_attention_core`; N is padded up to a whole number of blocks and the
+    padded rows dropped.
+    """
+    n, s = q.shape[-2], k.shape[-2]
+    per_row = math.prod(q.shape[:-2]) * s * 4  # float32 scores of one query row, every head
+    rows = max(1, XLA_CHUNK_SCORE_BYTES // max(per_row, 1))
+    if rows >= n:
+        return _attention_core(grouped, q, k, v, mask, bias)
+    num_blocks = -(-n // rows)
+    rows = -(-n // num_blocks)  # same block count, fewest padded rows
+    pad = num_blocks * rows - n
+
+    def blocks(x, fill):
+        """`(…, N, X) -> (num_blocks, …, rows, X)`."""
+        if pad:
+            x = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pad), (0, 0)], constant_values=fill)
+        x = x.reshape(x.shape[:-2] + (num_blocks, rows, x.shape[-1]))
+        return jnp.moveaxis(x, -3, 0)
+
+    def pairwise(x, fill):
+        """(per-block slices, shared array): a mask/bias without a query axis is shared."""
+        if x is None:
+            return None, None
+        return (None, x) if x.shape[-2] == 1 else (blocks(x, fill), None)
+
+    (mask_blocks, mask_shared), (bias_blocks, bias_shared) = pairwise(mask, True), pairwise(bias, 0.0)
+
+    def one(block):
+        q_i, mask_i, bias_i = block
+        return _attention_core(
+            grouped, q_i, k, v,
+            mask_shared if mask_i is None else mask_i, bias_shared if bias_i is None else bias_i,
+        )
+
+    out = jax.lax.map(one, (blocks(q, 0), mask_blocks, bias_blocks))  # (num_blocks, …, rows, Dv)
+    out = jnp.moveaxis(out, 0, -3).reshape(q.shape[:-2] + (num_blocks * rows, v.shape[-1]))
+    return out[..., :n, :]
+
+
+def _xla_attention(q, k, v, mask, bias, scale, dropout_rate, dropout_rng, deterministic, need_weights=True):
+    """Plain path: materialises the `(B…, H, N, S)` weights. Returns (out, weights).
+
+    Without dropout and when the caller does not need the weights, the work goes to
+    `_chunked_attention_core` (same function, in blocks of queries, with a leaner
+    gradient) and `weights` is None.
+    """
     *batch, h, n, d = q.shape
     kh, s = k.shape[-3], k.shape[-2]
     groups = h // kh
+    grouped = groups > 1
     # Scale q (N·D values) rather than the N·S scores, as flax does: fewer multiplies.
     q = q * jnp.asarray(scale, q.dtype)
-    # GQA without repeating k/v: query heads h = kv_head * G + g share kv_head.
-    qg = q.reshape(*batch, kh, groups, n, d)  # (B…, K, G, N, D)
-    logits = jnp.einsum("...kgnd,...ksd->...kgns", qg, k, preferred_element_type=jnp.float32)
-    logits = logits.reshape(*batch, h, n, s)  # (B…, H, N, S), float32
+    rank = q.ndim  # of (B…, H, N, S)
     if bias is not None:
-        logits = logits + jax.lax.broadcast_to_rank(jnp.asarray(bias, jnp.float32), logits.ndim)
+        bias = jax.lax.broadcast_to_rank(jnp.asarray(bias, jnp.float32), rank)
     if mask is not None:
-        # A finite floor (not -inf) keeps fully masked rows NaN-free; they are zeroed below.
-        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(logits, axis=-1)
-    if mask is not None:
-        # Fully masked rows came out uniform; this zeroes them (and nothing else changes:
-        # masked entries of other rows are already exp(-huge) = 0).
-        weights = jnp.where(mask, weights, 0.0)
-    if dropout_rate > 0.0 and not deterministic:
+        mask = jax.lax.broadcast_to_rank(mask, rank)
+    if grouped:
+        # GQA without repeating k/v: query heads h = kv_head * G + g share kv_head.
+        q = q.reshape(*batch, kh, groups, n, d)  # (B…, K, G, N, D)
+        to_groups = lambda x: x.reshape(
+            x.shape[:-3] + ((kh, groups) if x.shape[-3] != 1 else (1, 1)) + x.shape[-2:]
+        )  # (B…, K|1, G|1, N|1, S|1)
+        bias = None if bias is None else to_groups(bias)
+        mask = None if mask is None else to_groups(mask)
+    dropout_active = dropout_rate > 0.0 and not deterministic
+    if not (need_weights or dropout_active):
+        out = _chunked_attention_core(grouped, q, k, v, mask, bias)
+        return out.reshape(*batch, h, n, v.shape[-1]), None  # (B…, H, N, Dv)
+
+    logits = jnp.einsum(_SCORES[grouped], q, k, preferred_element_type=jnp.float32)
+    if bias is not None:
+        logits = logits + bias
+    weights = _masked_softmax(logits, mask)
+    if dropout_active:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
         weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
     weights = weights.astype(v.dtype)
-    wg = weights.reshape(*batch, kh, groups, n, s)  # (B…, K, G, N, S)
-    out = jnp.einsum("...kgns,...ksd->...kgnd", wg, v)
-    return out.reshape(*batch, h, n, v.shape[-1]), weights  # (B…, H, N, D)
+    out = jnp.einsum(_MIX[grouped], weights, v)
+    # (B…, H, N, Dv) and (B…, H, N, S)
+    return out.reshape(*batch, h, n, v.shape[-1]), weights.reshape(*batch, h, n, s)
 
 
 def _cudnn_problem(q, k, v, dropout_active, return_weights) -> str | None:
@@ -352,6 +504,8 @@ def attention(
         )
 
     full_mask = _combined_mask(mask, kv_lengths, is_causal, n, s)
-    out, weights = _xla_attention(q, k, v, full_mask, bias, scale, dropout_rate, dropout_rng, deterministic)
+    out, weights = _xla_attention(
+        q, k, v, full_mask, bias, scale, dropout_rate, dropout_rng, deterministic, need_weights=return_weights
+    )
     out = out.astype(q.dtype)
     return (out, weights) if return_weights else out

@@ -8,6 +8,7 @@ import re
 import chex
 import flax.linen as nn
 import jax
+import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -279,6 +280,14 @@ def test_module_dropout(rng):
 # -------------------------------------------------------------------------- bfloat16
 
 
+def _all_eqns(jaxpr):
+    """Every equation, including those inside custom-VJP and other sub-jaxprs."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jex.core.jaxprs_in_params(eqn.params):
+            yield from _all_eqns(sub)
+
+
 def test_bfloat16_compute_with_float32_params(rng, np_attention):
     x = normal(rng, (B, N, D_MODEL))
     model = MultiHeadAttention(num_heads=H, dtype=jnp.bfloat16)
@@ -288,7 +297,7 @@ def test_bfloat16_compute_with_float32_params(rng, np_attention):
     assert out.dtype == jnp.bfloat16 and weights.dtype == jnp.bfloat16
     # Every matmul runs on bfloat16 operands.
     jaxpr = jax.make_jaxpr(lambda p, x: model.apply(p, x))(params, x)
-    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    dots = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
     assert len(dots) >= 6  # q, k, v projections, q·k, w·v, out projection
     for e in dots:
         assert all(v.aval.dtype == jnp.bfloat16 for v in e.invars), e

@@ -1,0 +1,398 @@
+"""Device meshes and partitioning rules: head-parallel and data-parallel training.
+
+The seeds "divide and conquer" attention across heads; here the heads are divided
+across devices (Megatron-LM's tensor parallelism, Shoeybi et al. 2019, §3): the
+query/key/value kernels are split along their output (heads) columns, the output
+kernel along its input (heads) rows, so each device computes whole heads locally and
+one all-reduce after the output projection combines them. The batch is split across
+a second mesh axis (data parallelism; gradients are all-reduced by XLA).
+
+Two names per parameter axis, as in flax's logical partitioning:
+
+* **logical** names say what an axis *is* (`"embed"`, `"heads"`, `"kv_heads"`,
+  `"mlp"`, `"vocab"`, `"batch"`), fixed by `PARAM_LOGICAL_AXES`;
+* **rules** say where a logical name goes on the mesh, e.g. `("heads", "model")`.
+  `DEFAULT_RULES` shards heads (and the feed-forward width) over `"model"` and the
+  batch over `"data"`; pass your own rules to remap (`(("heads", None), ...)` turns
+  head parallelism off). The mapping is `flax.linen.logical_to_mesh_axes`.
+
+Why logical names come from a path-based rule rather than `nn.with_logical_partitioning`
+boxes on the kernels: boxes change what `init` returns (`nn.LogicallyPartitioned`
+leaves), so every non-sharded user, checkpoint, optimizer and analysis would have to
+`nn.meta.unbox` first, and the parameter tree fixed by the API would no longer be plain
+arrays. A rule over paths keeps the tree untouched, and because it matches path
+*suffixes* (`.../query/kernel`), the same rule also partitions optimizer states that
+mirror the parameters (Adam's `mu/…/query/kernel`), and stacked (seed-vmapped) states,
+whose extra leading axes it leaves unsharded. Trees that do carry flax boxes are
+honoured too: a boxed leaf keeps its own logical names.
+
+Using it from an experiment (`--mesh data=2,model=2`)::
+
+    from jax_mha import parallel
+    mesh = parallel.make_mesh(**parallel.parse_mesh_spec(args.mesh))
+    state = parallel.shard_train_state(init_state(key, model, optimizer), mesh)
+    step = parallel.make_sharded_train_step(model, optimizer, mesh)
+    state, metrics = step(state, batch, rng)   # batch is split over "data"
+
+or, for `train_seeds`-style scanned chunks over a stacked seed axis,
+`make_sharded_train_chunk(..., num_seeds=S)` in place of `jit(vmap(chunk))`. On a CPU
+host, `XLA_FLAGS=--xla_force_host_platform_device_count=4` (set before jax is
+imported) gives four devices to try it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jax_mha.data import CopyTaskConfig, make_batch
+from jax_mha.models import CopyTransformer
+from jax_mha.train import TrainState, init_state, make_train_step
+
+MESH_AXES = ("data", "model")
+
+Rules = Sequence[tuple[str, Any]]
+
+# Logical name -> mesh axis (None: replicated). Megatron's layout: heads and the
+# feed-forward width across "model", the batch across "data", the rest replicated.
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", "data"),
+    ("heads", "model"),  # query/out kernels: whole heads per device
+    ("kv_heads", "model"),  # key/value kernels; remap to None for MQA (1 kv head)
+    ("mlp", "model"),  # feed-forward hidden width (Megatron's column/row split)
+    ("embed", None),  # d_model stays whole: each device holds full activations
+    ("vocab", None),  # 14 tokens: nothing to gain
+    ("length", None),
+)
+
+# (regex over the "/"-joined path, logical names of the leaf's trailing axes). The
+# first match wins; a leaf with more axes than names (a stacked seed or layer axis)
+# gets None in front; a leaf no pattern matches is replicated.
+PARAM_LOGICAL_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r"(^|/)query/kernel$", ("embed", "heads")),  # (d_q, H*D): head h owns columns h*D:(h+1)*D
+    (r"(^|/)query/bias$", ("heads",)),
+    (r"(^|/)(key|value)/kernel$", ("embed", "kv_heads")),  # (d_k, K*D)
+    (r"(^|/)(key|value)/bias$", ("kv_heads",)),
+    (r"(^|/)out/kernel$", ("heads", "embed")),  # (H*D, d_model): rows by head
+    (r"(^|/)hidden/kernel$", ("embed", "mlp")),  # FeedForward (d_model, d_ff)
+    (r"(^|/)hidden/bias$", ("mlp",)),
+    (r"(^|/)output/kernel$", ("mlp", "embed")),  # FeedForward (d_ff, d_model)
+    (r"(^|/)embed/embedding$", ("vocab", "embed")),
+    (r"(^|/)logits/kernel$", ("embed", "vocab")),
+)
+
+
+# ---------------------------------------------------------------------------------
+# Meshes.
+# ---------------------------------------------------------------------------------
+
+
+def parse_mesh_spec(spec: str | None) -> dict[str, int]:
+    """Parses a command-line mesh such as `"data=2,model=2"`.
+
+    Args:
+      spec: comma-separated `axis=size` for axes in `("data", "model")`; `""` or None
+        means all devices on "data".
+
+    Returns:
+      `{"data": …, "model": …}` with the axes given, ready for `make_mesh(**…)`.
+
+    Raises:
+      ValueError: on an unknown axis, a repeated axis, or a size that is not a positive int.
+    """
+    out: dict[str, int] = {}
+    for part in (spec or "").replace(" ", "").split(","):
+        if not part:
+            continue
+        name, sep, value = part.partition("=")
+        if not sep or name not in MESH_AXES:
+            raise ValueError(f"mesh spec entries must be 'data=N' or 'model=N', got {part!r} in {spec!r}")
+        if name in out:
+            raise ValueError(f"mesh axis {name!r} given twice in {spec!r}")
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"mesh axis {name!r} needs a positive integer size, got {value!r} in {spec!r}")
+        out[name] = int(value)
+    return out
+
+
+def make_mesh(data: int | None = None, model: int | None = None, *, devices: Sequence[Any] | None = None) -> Mesh:
+    """A `("data", "model")` mesh over the first `data * model` devices.
+
+    Args:
+      data: devices along the batch; default: all devices not used by `model`.
+      model: devices along the heads; default 1 (pure data parallelism).
+      devices: default `jax.devices()`.
+
+    Returns:
+      `jax.sharding.Mesh` of shape `(data, model)`, axis types Auto (XLA propagates
+      shardings from the parameters and inputs).
+
+    Raises:
+      ValueError: if a size is < 1, the devices do not divide evenly, or more
+        devices are asked for than exist.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    model = 1 if model is None else model
+    if model < 1 or (data is not None and data < 1):
+        raise ValueError(f"mesh sizes must be >= 1, got data={data}, model={model}")
+    if data is None:
+        if n % model:
+            raise ValueError(f"{n} devices cannot be split into model={model} groups")
+        data = n // model
+    if data * model > n:
+        raise ValueError(f"mesh data={data} x model={model} needs {data * model} devices, only {n} available")
+    grid = np.array(devices[: data * model], dtype=object).reshape(data, model)
+    return Mesh(grid, MESH_AXES)
+
+
+# ---------------------------------------------------------------------------------
+# Partitioning rules.
+# ---------------------------------------------------------------------------------
+
+
+def _path_str(path) -> str:
+    """`(DictKey('params'), GetAttrKey('mu'), SequenceKey(0))` -> `"params/mu/0"`."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def _is_box(x) -> bool:
+    return isinstance(x, nn.meta.AxisMetadata)
+
+
+def logical_axes(tree: Any, patterns: Sequence[tuple[str, tuple]] = PARAM_LOGICAL_AXES) -> Any:
+    """Logical axis names of every leaf, from its path.
+
+    Args:
+      tree: parameters, an optimizer state, a `TrainState` — any pytree of arrays or
+        `jax.ShapeDtypeStruct`s (flax `nn.LogicallyPartitioned` leaves keep theirs).
+      patterns: `(regex, names)` pairs matched (`re.search`) against the
+        "/"-joined path; first match wins.
+
+    Returns:
+      A tree of the same structure (boxes unboxed) whose leaves are `PartitionSpec`s of
+      logical names, one per axis of the leaf.
+    """
+    compiled = [(re.compile(rx), tuple(names)) for rx, names in patterns]
+
+    def one(path, leaf):
+        if _is_box(leaf):
+            names = tuple(leaf.get_partition_spec()) if hasattr(leaf, "get_partition_spec") else ()
+            ndim = jnp.ndim(leaf.unbox())
+        else:
+            ndim = len(np.shape(leaf)) if not hasattr(leaf, "ndim") else leaf.ndim
+            key = _path_str(path)
+            names = next((n for rx, n in compiled if rx.search(key)), ())
+            if len(names) > ndim:  # e.g. a scalar that shares a name: replicate
+                names = ()
+        return PartitionSpec(*((None,) * (ndim - len(names)) + tuple(names)))
+
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_box)
+
+
+def partition_specs(
+    tree: Any, rules: Rules = DEFAULT_RULES, patterns: Sequence[tuple[str, tuple]] = PARAM_LOGICAL_AXES
+) -> Any:
+    """Mesh `PartitionSpec` of every leaf: `logical_axes` mapped through `rules`.
+
+    Logical names with no rule are replicated (flax's `logical_to_mesh_axes`).
+    """
+    return jax.tree.map(
+        lambda spec: nn.logical_to_mesh_axes(tuple(spec), rules),
+        logical_axes(tree, patterns),
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+
+
+def _axis_size(mesh: Mesh, entry) -> int:
+    """Devices along a PartitionSpec entry (None, an axis name or a tuple of them)."""
+    if entry is None:
+        return 1
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return math.prod(mesh.shape[a] for a in names)
+
+
+def logical_axis_size(mesh: Mesh, name: str, rules: Rules = DEFAULT_RULES) -> int:
+    """How many devices the logical axis `name` is split over under `rules`."""
+    return _axis_size(mesh, nn.logical_to_mesh_axes((name,), rules)[0])
+
+
+def tree_shardings(
+    tree: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES,
+    patterns: Sequence[tuple[str, tuple]] = PARAM_LOGICAL_AXES,
+) -> Any:
+    """`NamedSharding` of every leaf, checking that each sharded axis divides evenly.
+
+    Raises:
+      ValueError: naming the leaf, its shape and the mesh axis, when an axis size is
+        not divisible by the number of devices it is split over.
+    """
+    specs = partition_specs(tree, rules, patterns)
+    leaves = jax.tree_util.tree_leaves_with_path(nn.meta.unbox(tree))
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    for (path, leaf), spec in zip(leaves, spec_leaves):
+        for dim, entry in zip(np.shape(leaf), spec):
+            size = _axis_size(mesh, entry)
+            if dim % size:
+                raise ValueError(
+                    f"{_path_str(path)} of shape {tuple(np.shape(leaf))}: axis of size {dim} is not "
+                    f"divisible by mesh axis {entry!r} of size {size}"
+                )
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def check_heads_divisible(num_heads: int, mesh: Mesh, rules: Rules = DEFAULT_RULES, num_kv_heads: int | None = None) -> None:
+    """Head parallelism splits whole heads: `num_heads` must divide by the devices
+    along "heads" (and `num_kv_heads` along "kv_heads").
+
+    Raises:
+      ValueError: naming the head count and the mesh axis size.
+    """
+    for name, count in (("heads", num_heads), ("kv_heads", num_kv_heads)):
+        if count is None:
+            continue
+        size = logical_axis_size(mesh, name, rules)
+        if count % size:
+            axis = nn.logical_to_mesh_axes((name,), rules)[0]
+            field = "num_heads" if name == "heads" else "num_kv_heads"
+            raise ValueError(
+                f"{field}={count} is not divisible by mesh axis {axis!r} of size {size}: "
+                f"head parallelism needs whole {name} per device"
+            )
+
+
+def check_batch_divisible(batch_size: int, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> None:
+    """Raises ValueError naming both numbers if the batch does not split evenly."""
+    size = logical_axis_size(mesh, "batch", rules)
+    if batch_size % size:
+        axis = nn.logical_to_mesh_axes(("batch",), rules)[0]
+        raise ValueError(f"batch size {batch_size} is not divisible by mesh axis {axis!r} of size {size}")
+
+
+# ---------------------------------------------------------------------------------
+# Sharded training of the copy-task model.
+# ---------------------------------------------------------------------------------
+
+
+def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES, leading_axes: int = 0) -> NamedSharding:
+    """Sharding of a `(…, B, T)` batch array: B over the "batch" rule's mesh axis."""
+    spec = nn.logical_to_mesh_axes((None,) * leading_axes + ("batch", "length"), rules)
+    return NamedSharding(mesh, spec)
+
+
+def shard_batch(batch: Mapping[str, jax.Array], mesh: Mesh, rules: Rules = DEFAULT_RULES) -> dict[str, jax.Array]:
+    """Places every `(B, T)` array of a batch with B split over "data".
+
+    Raises:
+      ValueError: if B is not divisible by the data axis.
+    """
+    batch_size = next(iter(batch.values())).shape[0]
+    check_batch_divisible(batch_size, mesh, rules)
+    return jax.device_put(dict(batch), batch_sharding(mesh, rules))
+
+
+def shard_train_state(state: TrainState, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> TrainState:
+    """Moves a `TrainState` (or a stack of them over seeds) onto the mesh.
+
+    Parameters and the optimizer moments that mirror them are split by
+    `PARAM_LOGICAL_AXES` + `rules`; scalars (step, Adam's count) are replicated.
+
+    The result never aliases `state`'s buffers, so donating it to a sharded step
+    leaves the original usable (`device_put` alone may reuse the buffer of a
+    replicated leaf for the shard on its own device, `may_alias=False` or not).
+
+    Raises:
+      ValueError: if a sharded axis does not divide evenly (naming leaf and sizes).
+    """
+    shardings = tree_shardings(state, mesh, rules)
+    return jax.device_put(jax.tree.map(jnp.copy, state), shardings)
+
+
+def _abstract_state(model: CopyTransformer, optimizer: optax.GradientTransformation, num_seeds: int | None):
+    """Shapes of the state, without computing it."""
+    one = lambda key: init_state(key, model, optimizer)
+    if num_seeds is None:
+        return jax.eval_shape(one, jax.random.PRNGKey(0))
+    return jax.eval_shape(jax.vmap(one), jnp.zeros((num_seeds, 2), jnp.uint32))
+
+
+def make_sharded_train_step(
+    model: CopyTransformer, optimizer: optax.GradientTransformation, mesh: Mesh, rules: Rules = DEFAULT_RULES
+) -> Callable:
+    """`step(state, batch, rng) -> (state, metrics)`: `train.make_train_step`, jitted
+    over the mesh with explicit in/out shardings and the state donated.
+
+    The state must come from `shard_train_state` (same mesh and rules); the batch
+    may live anywhere (it is split over "data" on entry); metrics are replicated.
+
+    Raises:
+      ValueError: at construction if `num_heads` does not divide by the "model"
+        axis; at call if the batch size does not divide by the "data" axis.
+    """
+    cfg = model.config
+    check_heads_divisible(cfg.num_heads, mesh, rules)
+    state_sh = tree_shardings(_abstract_state(model, optimizer, None), mesh, rules)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    jitted = jax.jit(
+        make_train_step(model, optimizer),
+        in_shardings=(state_sh, batch_sharding(mesh, rules), replicated),
+        out_shardings=(state_sh, replicated),
+        donate_argnums=(0,),
+    )
+
+    def step(state: TrainState, batch: Mapping[str, jax.Array], rng: jax.Array):
+        check_batch_divisible(batch["inputs"].shape[0], mesh, rules)
+        return jitted(state, dict(batch), rng)
+
+    step.jitted = jitted  # for .lower(...) / HLO inspection
+    return step
+
+
+def make_sharded_train_chunk(
+    model: CopyTransformer, optimizer: optax.GradientTransformation, task: CopyTaskConfig,
+    batch_size: int, num_steps: int, mesh: Mesh, rules: Rules = DEFAULT_RULES, *,
+    num_seeds: int | None = None,
+) -> Callable:
+    """The sharded twin of `jit(train.make_train_chunk(...))` (`vmap`ped over a
+    leading seed axis when `num_seeds` is given): `chunk(state, run_key) -> (state,
+    metrics)`, same batches and dropout keys as the single-device chunk, each
+    generated batch constrained to be split over "data".
+
+    Raises:
+      ValueError: if `num_heads` or `batch_size` do not divide by their mesh axes.
+    """
+    check_heads_divisible(model.config.num_heads, mesh, rules)
+    check_batch_divisible(batch_size, mesh, rules)
+    train_step = make_train_step(model, optimizer)
+    in_batch = batch_sharding(mesh, rules)
+
+    def chunk(state: TrainState, run_key: jax.Array):
+        data_key, dropout_key = jax.random.split(run_key)
+
+        def body(state, _):
+            batch = make_batch(jax.random.fold_in(data_key, state.step), task, batch_size)
+            batch = jax.lax.with_sharding_constraint(batch, in_batch)
+            return train_step(state, batch, jax.random.fold_in(dropout_key, state.step))
+
+        return jax.lax.scan(body, state, None, length=num_steps)
+
+    fn = chunk if num_seeds is None else jax.vmap(chunk)
+    state_sh = tree_shardings(_abstract_state(model, optimizer, num_seeds), mesh, rules)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(fn, in_shardings=(state_sh, replicated), out_shardings=(state_sh, replicated), donate_argnums=(0,))
