@@ -108,6 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--force", action="store_true", help="retrain head counts already in --out")
     p.add_argument("--measure-vmap-speedup", action="store_true",
                    help="also time vmap over seeds against a Python loop over seeds (4 chunks each, largest head count)")
+    p.add_argument("--mesh", help="run sharded on a device mesh, e.g. 'data=2,model=2' (heads split over "
+                   "'model', the batch over 'data'; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=4)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -324,6 +326,18 @@ def main(argv=None) -> dict:
 
     from tqdm.auto import tqdm
 
+    mesh = None
+    if args.mesh:
+        from jax_mha import parallel
+
+        try:
+            mesh = parallel.make_mesh(**parallel.parse_mesh_spec(args.mesh))
+            for h in cfg.heads:
+                parallel.check_heads_divisible(h, mesh)
+            parallel.check_batch_divisible(cfg.train.batch_size, mesh)
+        except ValueError as e:
+            raise SystemExit(f"error: --mesh {args.mesh}: {e}") from None
+
     def finish():
         write_json(results_path, results)
         write_atomic(out / "summary.md", summary_table(results))
@@ -344,7 +358,7 @@ def main(argv=None) -> dict:
             bar.set_postfix(loss=f"{report['loss']:.4f}", acc=f"{report['accuracy']:.3f}",
                             heldout_exact=f"{held_out.get('exact', float('nan')):.3f}")
 
-        result = train_seeds(model, cfg.task, cfg.train, range(cfg.num_seeds), callback=progress)
+        result = train_seeds(model, cfg.task, cfg.train, range(cfg.num_seeds), mesh=mesh, callback=progress)
         bar.close()
         for i, seed in enumerate(result.seeds):
             params = jax.tree.map(lambda x: x[i], result.state.params)

@@ -53,9 +53,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_mha.data import CopyTaskConfig, make_batch
+from jax_mha.data import CopyTaskConfig
 from jax_mha.models import CopyTransformer
-from jax_mha.train import TrainState, init_state, make_train_step
+from jax_mha.train import TrainState, init_state, make_train_chunk, make_train_step
 
 MESH_AXES = ("data", "model")
 
@@ -379,19 +379,9 @@ def make_sharded_train_chunk(
     """
     check_heads_divisible(model.config.num_heads, mesh, rules)
     check_batch_divisible(batch_size, mesh, rules)
-    train_step = make_train_step(model, optimizer)
-    in_batch = batch_sharding(mesh, rules)
-
-    def chunk(state: TrainState, run_key: jax.Array):
-        data_key, dropout_key = jax.random.split(run_key)
-
-        def body(state, _):
-            batch = make_batch(jax.random.fold_in(data_key, state.step), task, batch_size)
-            batch = jax.lax.with_sharding_constraint(batch, in_batch)
-            return train_step(state, batch, jax.random.fold_in(dropout_key, state.step))
-
-        return jax.lax.scan(body, state, None, length=num_steps)
-
+    chunk = make_train_chunk(
+        model, optimizer, task, batch_size, num_steps, batch_sharding=batch_sharding(mesh, rules)
+    )
     fn = chunk if num_seeds is None else jax.vmap(chunk)
     state_sh = tree_shardings(_abstract_state(model, optimizer, num_seeds), mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())

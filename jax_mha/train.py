@@ -126,14 +126,15 @@ def jit_train_step(model: CopyTransformer, optimizer: optax.GradientTransformati
 
 def make_train_chunk(
     model: CopyTransformer, optimizer: optax.GradientTransformation, task: CopyTaskConfig,
-    batch_size: int, num_steps: int,
+    batch_size: int, num_steps: int, *, batch_sharding: jax.sharding.Sharding | None = None,
 ) -> Callable:
     """`chunk(state, run_key) -> (state, metrics)`: `num_steps` steps in one `lax.scan`.
 
     Step `t`'s batch is `make_batch(fold_in(data_key, t))` and its dropout key
     `fold_in(dropout_key, t)`, with `data_key, dropout_key = split(run_key)`, so a
     run is reproducible whatever the chunking. Metrics carry a leading `(num_steps,)`
-    axis.
+    axis. `batch_sharding`, if given, constrains every generated batch (see
+    `jax_mha.parallel`).
     """
     train_step = make_train_step(model, optimizer)
 
@@ -142,6 +143,8 @@ def make_train_chunk(
 
         def body(state, _):
             batch = make_batch(jax.random.fold_in(data_key, state.step), task, batch_size)
+            if batch_sharding is not None:
+                batch = jax.lax.with_sharding_constraint(batch, batch_sharding)
             return train_step(state, batch, jax.random.fold_in(dropout_key, state.step))
 
         return jax.lax.scan(body, state, None, length=num_steps)
@@ -238,10 +241,14 @@ def train_seeds(
     seeds: Sequence[int],
     *,
     use_vmap: bool = True,
+    mesh: jax.sharding.Mesh | None = None,
     callback: Callable[[dict[str, Any]], None] | None = None,
 ) -> SeedsResult:
     """Trains one model per seed: all seeds in one vmapped program (or, with
     `use_vmap=False`, one after another, for comparison).
+
+    With a `mesh` (`jax_mha.parallel.make_mesh`), the vmapped program runs sharded:
+    heads across its "model" axis, each batch across "data"; the results are the same.
 
     `callback`, if given, receives after every chunk a dict with `step`, `loss`,
     `accuracy` (means over seeds of the chunk) and, at evaluation points, `eval`
@@ -263,7 +270,17 @@ def train_seeds(
 
     chunk = make_train_chunk(model, optimizer, task, cfg.batch_size, cfg.steps_per_call)
     eval_fn = lambda params: evaluate(params, model, eval_batch)
-    if use_vmap:
+    if mesh is not None:
+        if not use_vmap:
+            raise ValueError("a mesh needs use_vmap=True: the sharded program is the vmapped one")
+        from jax_mha import parallel  # parallel builds on this module; imported late to keep imports one-way
+
+        chunk_fn = parallel.make_sharded_train_chunk(
+            model, optimizer, task, cfg.batch_size, cfg.steps_per_call, mesh, num_seeds=len(seeds)
+        )
+        eval_all = jax.jit(jax.vmap(eval_fn))
+        state = parallel.shard_train_state(jax.jit(jax.vmap(lambda k: init_state(k, model, optimizer)))(init_keys), mesh)
+    elif use_vmap:
         chunk_fn = jax.jit(jax.vmap(chunk), donate_argnums=(0,))
         eval_all = jax.jit(jax.vmap(eval_fn))
         state = jax.jit(jax.vmap(lambda k: init_state(k, model, optimizer)))(init_keys)

@@ -68,3 +68,29 @@ def test_other_config_in_same_folder_is_refused(first_run):
 def test_bad_head_count_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="d_model=8 is not divisible by num_heads=3"):
         head_ablation.main(["--heads", "3", "--d-model", "8", "--out", str(tmp_path)])
+
+
+def test_mesh_option_gives_the_same_training(first_run, tmp_path):
+    """--mesh data=2,model=2 on 4 simulated CPU devices trains the same models."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    args = list(TINY)
+    args[args.index("--heads") : args.index("--heads") + 3] = ["--heads", "2"]  # 2 heads over model=2
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.head_ablation", *args, "--mesh", "data=2,model=2", "--out", str(tmp_path)],
+        env=env, capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sharded = json.loads((tmp_path / "results.json").read_text())["heads"]["2"]["runs"]
+    plain = json.loads((first_run / "results.json").read_text())["heads"]["2"]["runs"]
+    assert len(sharded) == len(plain) == 2
+    for a, b in zip(sharded, plain):
+        assert a["curve"]["loss"] == pytest.approx(b["curve"]["loss"], rel=1e-4)
+
+
+def test_mesh_that_does_not_divide_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="num_heads=1 is not divisible|model"):
+        head_ablation.main(["--heads", "1", "--mesh", "data=1,model=2", "--out", str(tmp_path)])
