@@ -422,8 +422,8 @@ def attention(
     return_weights: bool = False,
     implementation: str | None = "xla",
     kv_lengths: jax.Array | None = None,
-    query_block_size: int = 512,
-    key_block_size: int = 1024,
+    query_block_size: int = 128,
+    key_block_size: int = 512,
 ):
     """Scaled dot-product attention for all heads at once.
 

@@ -176,6 +176,15 @@ CASES = [
             "is_causal": True,
         },
     ),
+    # N, S multiples of the blocks with no mask/causal/lengths: the validity select is
+    # skipped; with H == K the G axis is squeezed out.
+    ("dense_mha", (2,), 4, 4, 32, 48, lambda rng: {}),
+    ("dense_bias_gqa", (2,), 6, 2, 32, 48, lambda rng: {"bias": rng.normal(size=(2, 6, 32, 48))}),
+    (
+        "mask_bias_mha",
+        (2,), 4, 4, 37, 53,
+        lambda rng: {"mask": rng.random((2, 4, 37, 53)) > 0.3, "bias": rng.normal(size=(4, 37, 1))},
+    ),
 ]
 
 
@@ -360,3 +369,22 @@ def test_shape_errors_name_the_numbers():
         blockwise_attention(q, k, k, mask=jnp.ones((5, 6), bool))
     with pytest.raises(ValueError, match=r"kv_lengths must be broadcastable to \(B...\)=\(2,\)"):
         blockwise_attention(q, k, k, kv_lengths=jnp.array([1, 2, 3]))
+
+
+def test_minus_inf_bias_rows_without_mask(rng):
+    """No mask and block-multiple N, S (validity select skipped): a row whose bias is all
+    -inf outputs zeros, everything stays finite, and the rest matches the reference."""
+    q, k, v, d_out = _inputs(rng, (2,), 3, 3, 32, 32, 5)
+    bias = rng.normal(size=(2, 3, 32, 32))
+    bias[0, 1, 5] = -np.inf
+    bias[1, 2, :, 7] = -np.inf
+    bias = jnp.asarray(bias, jnp.float32)
+    out, grads = _value_and_grads(
+        lambda q, k, v, b: blockwise_attention(q, k, v, bias=b, **BLOCKS), q, k, v, d_out, bias
+    )
+    ref_out, ref_grads = np_reference(q, k, v, d_out, bias=bias)
+    chex.assert_tree_all_finite((out, grads["q"], grads["k"], grads["v"]))
+    np.testing.assert_array_equal(np.asarray(out[0, 1, 5]), 0.0)
+    chex.assert_trees_all_close(out, ref_out.astype(np.float32), rtol=RTOL, atol=ATOL)
+    for key in ("q", "k", "v"):
+        chex.assert_trees_all_close(grads[key], ref_grads[key].astype(np.float32), rtol=RTOL, atol=ATOL)
