@@ -22,13 +22,13 @@ from jax_mha.blockwise import blockwise_attention
 IMPLEMENTATIONS = ("xla", "blockwise", "cudnn", "auto")
 
 # Sequences with at least this many query x key pairs per head go to the blockwise
-# path under implementation="auto". Below it the plain path, which computes a block
-# of query rows at a time, is the faster one (2-core CPU, B=1, H=8, d_model=512,
-# forward+backward: 1.55x at N=2048, 1.43x at N=4096 and N=8192; see
-# experiments/benchmark.py); from it on, the (B, H, N, S) weights it keeps for the
-# gradient (256 MB per head at 8192²) cost more than the speed is worth, and the
-# blockwise path keeps memory linear in N.
-AUTO_BLOCKWISE_MIN_SCORES = 8192 * 8192
+# path under implementation="auto". Below it the plain path (which computes a block
+# of query rows at a time) wins; from it on the blockwise path is faster for
+# forward+backward on a 2-core CPU (B=1, H=8, d_model=512, N=2048: 193 vs 245 ms,
+# experiments/benchmark.py) and its memory stays linear in N, while the plain path
+# keeps the (B, H, N, S) weights for the gradient. (The plain forward alone is still
+# ~1.2x faster at N=2048; training is what the default is chosen for.)
+AUTO_BLOCKWISE_MIN_SCORES = 2048 * 2048
 
 # The plain path computes the float32 scores of at most this many bytes at a time
 # (a lax.map over blocks of query rows; see `_chunked_attention_core`).
