@@ -4,7 +4,7 @@ Trains the copy-task decoder at several head counts with d_model fixed, several
 seeds each (all seeds of one head count in one vmapped program), and reports
 convergence speed, final accuracy and per-head attention entropy.
 
-    python -m experiments.head_ablation                   # quick preset, ~2 min on 2 CPU cores
+    python -m experiments.head_ablation                   # quick preset, under a minute on 2 CPU cores
     python -m experiments.head_ablation --preset full     # d_model=256, 3 seeds, <= 60 min on 2 CPU cores
     python -m experiments.head_ablation --heads 1 8 --seeds 2 --steps 3000 --d-model 128 --out DIR
 
@@ -54,7 +54,7 @@ class AblationConfig:
 
 
 def quick() -> AblationConfig:
-    """`python -m experiments.head_ablation`: ~2 minutes on a 2-core CPU, all five
+    """`python -m experiments.head_ablation`: under a minute on a 2-core CPU, all five
     head counts, small enough that compile time is a good part of it."""
     task = CopyTaskConfig(length=8)
     return AblationConfig(
@@ -91,7 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="Train the delayed copy task at several head counts (fixed d_model) and compare.",
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default="quick",
-                   help="base configuration: quick (default, ~2 min on CPU) or full (d_model=256, 3 seeds)")
+                   help="base configuration: quick (default, <1 min on CPU) or full (d_model=256, 3 seeds)")
     p.add_argument("--heads", type=int, nargs="+", help="head counts to sweep (each must divide d_model)")
     p.add_argument("--seeds", type=int, help="number of seeds per head count (seeds 0..n-1, trained together by vmap)")
     p.add_argument("--steps", type=int, help="maximum optimizer steps per head count (a multiple of --steps-per-call)")
