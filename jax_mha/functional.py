@@ -397,6 +397,11 @@ def _cudnn_problem(q, k, v, dropout_active, return_weights) -> str | None:
 def _cudnn_attention(q, k, v, mask, bias, kv_lengths, is_causal, scale):
     """Delegates to `jax.nn.dot_product_attention(implementation="cudnn")`."""
     *batch, h, n, d = q.shape
+    if is_causal and n != k.shape[-2]:
+        # jax.nn aligns its causal pattern top-left; ours puts the queries last
+        # (causal_mask), so pass it as an explicit mask there.
+        mask = _combined_mask(mask, None, True, n, k.shape[-2])
+        is_causal = False
     flat = lambda x: jnp.swapaxes(x.reshape(-1, *x.shape[-3:]), -3, -2)  # (B, L, heads, D)
     full = lambda x: None if x is None else jnp.broadcast_to(x, (*batch, h, n, k.shape[-2])).reshape(-1, h, n, k.shape[-2])
     lengths = None if kv_lengths is None else jnp.broadcast_to(kv_lengths, tuple(batch)).reshape(-1).astype(jnp.int32)
