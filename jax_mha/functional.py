@@ -232,12 +232,17 @@ def _reduce_to(x, shape):
     return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
-def _core_forward(grouped, q, k, v, mask, bias):
-    """`(out, weights)`; q pre-scaled, layouts and mask/bias ranks as the logits."""
+def _weights(grouped, q, k, mask, bias):
+    """float32 attention weights; q pre-scaled, layouts and mask/bias ranks as the logits."""
     logits = jnp.einsum(_SCORES[grouped], q, k, preferred_element_type=jnp.float32)
     if bias is not None:
         logits = logits + bias
-    weights = _masked_softmax(logits, mask)
+    return _masked_softmax(logits, mask)
+
+
+def _core_forward(grouped, q, k, v, mask, bias):
+    """`(out, weights)`; q pre-scaled, layouts and mask/bias ranks as the logits."""
+    weights = _weights(grouped, q, k, mask, bias)
     return jnp.einsum(_MIX[grouped], weights.astype(v.dtype), v), weights
 
 
@@ -363,10 +368,7 @@ def _xla_attention(q, k, v, mask, bias, scale, dropout_rate, dropout_rng, determ
         out = _chunked_attention_core(grouped, q, k, v, mask, bias)
         return out.reshape(*batch, h, n, v.shape[-1]), None  # (B…, H, N, Dv)
 
-    logits = jnp.einsum(_SCORES[grouped], q, k, preferred_element_type=jnp.float32)
-    if bias is not None:
-        logits = logits + bias
-    weights = _masked_softmax(logits, mask)
+    weights = _weights(grouped, q, k, mask, bias)
     if dropout_active:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
         weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)

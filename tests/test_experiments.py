@@ -48,7 +48,7 @@ def test_rerun_skips_finished_heads(first_run, monkeypatch, capsys):
         return real(model_cfg, *args, **kwargs)
 
     monkeypatch.setattr(head_ablation, "train_seeds", spy)
-    args = [a if a != "2" or i != 3 else a for i, a in enumerate(TINY)]
+    args = list(TINY)
     args[args.index("--heads") : args.index("--heads") + 3] = ["--heads", "1", "2", "4"]
     after = head_ablation.main(args + ["--out", str(first_run)])
     assert trained == [4]
@@ -92,5 +92,5 @@ def test_mesh_option_gives_the_same_training(first_run, tmp_path):
 
 
 def test_mesh_that_does_not_divide_is_refused(tmp_path):
-    with pytest.raises(SystemExit, match="num_heads=1 is not divisible|model"):
+    with pytest.raises(SystemExit, match="data=1 x model=2 needs 2 devices, only 1 available"):
         head_ablation.main(["--heads", "1", "--mesh", "data=1,model=2", "--out", str(tmp_path)])
