@@ -414,6 +414,38 @@ def _cudnn_attention(q, k, v, mask, bias, kv_lengths, is_causal, scale):
     return jnp.swapaxes(out, -3, -2).reshape(*batch, h, n, d)
 
 
+def resolve_implementation(
+    q, k, v, *, implementation: str | None = "auto", return_weights: bool = False, dropout: bool = False
+) -> str:
+    """The path `attention` takes for these inputs: `implementation` itself, or for
+    `"auto"`/None the fastest valid one (cuDNN on a GPU when the inputs allow it,
+    `"blockwise"` from N·S >= AUTO_BLOCKWISE_MIN_SCORES, else `"xla"`).
+
+    Args:
+      q, k, v: arrays or `jax.ShapeDtypeStruct`s shaped as for `attention`.
+      implementation: as for `attention`.
+      return_weights: whether the caller needs the weights (only `"xla"` builds them).
+      dropout: whether dropout on the weights is active.
+
+    Returns:
+      One of `"xla"`, `"blockwise"`, `"cudnn"`.
+
+    Raises:
+      ValueError: for an unknown implementation name.
+    """
+    if implementation is None:
+        implementation = "auto"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    if implementation != "auto":
+        return implementation
+    if _cudnn_problem(q, k, v, dropout, return_weights) is None:
+        return "cudnn"
+    if not (return_weights or dropout) and q.shape[-2] * k.shape[-2] >= AUTO_BLOCKWISE_MIN_SCORES:
+        return "blockwise"
+    return "xla"
+
+
 def attention(
     q: jax.Array,
     k: jax.Array,
@@ -470,10 +502,6 @@ def attention(
         dropout requested without `dropout_rng`.
     """
     h, kh, n, s = _check_inputs(q, k, v, mask, bias, kv_lengths)
-    if implementation is None:
-        implementation = "auto"
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
     dropout_active = dropout_rate > 0.0 and not deterministic
@@ -482,14 +510,9 @@ def attention(
             f"dropout_rate={dropout_rate} with deterministic=False needs a dropout_rng key"
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-
-    if implementation == "auto":
-        if _cudnn_problem(q, k, v, dropout_active, return_weights) is None:
-            implementation = "cudnn"
-        elif not (return_weights or dropout_active) and n * s >= AUTO_BLOCKWISE_MIN_SCORES:
-            implementation = "blockwise"
-        else:
-            implementation = "xla"
+    implementation = resolve_implementation(
+        q, k, v, implementation=implementation, return_weights=return_weights, dropout=dropout_active
+    )
 
     if implementation == "cudnn":
         problem = _cudnn_problem(q, k, v, dropout_active, return_weights)
