@@ -1,6 +1,7 @@
 """jax_mha: multi-head attention in JAX/Flax — a pure functional core and thin linen modules."""
 
 from jax_mha.functional import (
+    rotary_embedding,
     attention,
     attention_entropy,
     causal_mask,

@@ -1,38 +1,61 @@
 """Pure functional multi-head attention: no parameters, no state, no Flax.
 
+The public layer of the core. Beneath it (each file tested against the one below):
+
+  _reference.py   the plain attention, one screen: the source of truth every path is
+                  tested against, and the path that returns (and drops out) weights
+  _masking.py     the one description of which (query, key) pairs may attend
+  _flash.py       the tuned engine: query blocks x key blocks, online softmax, one
+                  custom JVP whose transpose is the FlashAttention-2 backward
+  _dense.py       "xla": the engine with all keys in one block (query blocks for the cache)
+  blockwise.py    "blockwise": the engine with small key blocks too (memory linear in N)
+  _cudnn.py       "cudnn": the description translated for jax.nn's cuDNN kernel
+
 Axis letters used in shapes and einsum strings:
   B… any leading batch dims, N query length, S key/value length,
   H query heads, K key/value heads (H % K == 0), G = H // K heads per group,
   D head dim.
 
-Every function here is jit-, vmap- and grad-safe.
+Every function here is safe under jit, vmap, grad, vjp, jvp, jacfwd and hessian.
 """
 
 from __future__ import annotations
 
-import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jax_mha.blockwise import blockwise_attention
+from jax_mha import _masking
+from jax_mha._cudnn import cudnn_attention, cudnn_problem
+from jax_mha._dense import dense_attention
+from jax_mha._reference import mix_values, reference_weights
+from jax_mha.blockwise import KEY_BLOCK_SIZE, QUERY_BLOCK_SIZE, blockwise_attention
 
 IMPLEMENTATIONS = ("xla", "blockwise", "cudnn", "auto")
+EMPTY_ROWS = ("zero", "uniform")
 
 # Sequences with at least this many query x key pairs per head go to the blockwise
-# path under implementation="auto". Below it the plain path (which computes a block
-# of query rows at a time) wins; from it on the blockwise path is faster for
-# forward+backward on a 2-core CPU (B=1, H=8, d_model=512, N=2048: 193 vs 245 ms,
-# experiments/benchmark.py) and its memory stays linear in N, while the plain path
-# keeps the (B, H, N, S) weights for the gradient. (The plain forward alone is still
-# ~1.2x faster at N=2048; training is what the default is chosen for.)
+# path under implementation="auto": from there on its memory stays linear in N while
+# the "xla" path's score blocks grow with S, and it was the faster for forward+backward
+# on a 2-core CPU (experiments/benchmark.py).
 AUTO_BLOCKWISE_MIN_SCORES = 2048 * 2048
 
-# The plain path computes the float32 scores of at most this many bytes at a time
-# (a lax.map over blocks of query rows; see `_chunked_attention_core`).
-XLA_CHUNK_SCORE_BYTES = 8 * 2**20
+
+class DTypeError(TypeError, ValueError):
+    """An input of the wrong dtype (a TypeError; also a ValueError, which the first
+    release raised for a non-boolean mask)."""
+
+
+def _index(name: str, value) -> int:
+    """`value` as a Python int, or a TypeError naming it (bools and floats refused)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r}") from None
 
 
 def split_heads(x: jax.Array, num_heads: int) -> jax.Array:
@@ -48,6 +71,7 @@ def split_heads(x: jax.Array, num_heads: int) -> jax.Array:
     Raises:
       ValueError: if `x` has rank < 2 or its last dim is not divisible by `num_heads`.
     """
+    num_heads = _index("num_heads", num_heads)
     if x.ndim < 2:
         raise ValueError(f"split_heads expects (B…, N, H*D), got rank {x.ndim} shape {x.shape}")
     if num_heads < 1 or x.shape[-1] % num_heads:
@@ -88,8 +112,12 @@ def causal_mask(n: int, s: int | None = None) -> jax.Array:
 
     Returns:
       bool `(n, s)`: `mask[i, j] = j <= i + (s - n)`.
+
+    Raises:
+      TypeError: if a size is not an int. ValueError: if a size is negative.
     """
-    s = n if s is None else s
+    n = _index("causal_mask n", n)
+    s = n if s is None else _index("causal_mask s", s)
     if n < 0 or s < 0:
         raise ValueError(f"causal_mask needs non-negative sizes, got n={n}, s={s}")
     return jnp.arange(s)[None, :] <= jnp.arange(n)[:, None] + (s - n)
@@ -107,8 +135,11 @@ def padding_mask(valid: jax.Array) -> jax.Array:
     Raises:
       ValueError: if `valid` is not rank 2.
     """
+    valid = jnp.asarray(valid)
     if valid.ndim != 2:
         raise ValueError(f"padding_mask expects valid of shape (B, S), got {valid.shape}")
+    if not (valid.dtype == jnp.bool_ or jnp.issubdtype(valid.dtype, jnp.integer)):
+        raise DTypeError(f"padding_mask expects bool (or 0/1 integer) valid, got dtype {valid.dtype}")
     return valid.astype(bool)[:, None, None, :]
 
 
@@ -121,10 +152,16 @@ def lengths_mask(kv_lengths: jax.Array, s: int) -> jax.Array:
 
     Returns:
       bool `(B…, 1, 1, S)`, True for keys at positions `< kv_lengths`.
+
+    Raises:
+      TypeError: if `kv_lengths` is not integer or `s` not an int.
     """
-    kv_lengths = jnp.asarray(kv_lengths)[..., None, None, None]  # (B…, 1, 1, 1)
+    s = _index("lengths_mask s", s)
+    kv_lengths = _check_lengths("kv_lengths", kv_lengths, None)[..., None, None, None]  # (B…, 1, 1, 1)
     # Explicit ranks: the library runs under jax_numpy_rank_promotion="raise".
     return jax.lax.broadcast_to_rank(jnp.arange(s), kv_lengths.ndim) < kv_lengths
+
+
 
 
 def attention_entropy(weights: jax.Array) -> jax.Array:
@@ -132,286 +169,143 @@ def attention_entropy(weights: jax.Array) -> jax.Array:
 
     Args:
       weights: `(B…, H, N, S)`, rows summing to 1 (or all zero for fully masked rows,
-        whose entropy is 0).
+        whose entropy is 0). A NaN weight makes its row's entropy NaN.
 
     Returns:
-      float32 `(B…, H, N)`.
+      float32 `(B…, H, N)` (float64 for float64 weights).
+
+    Raises:
+      TypeError: for non-floating weights.
     """
-    w = weights.astype(jnp.float32)
-    positive = w > 0
-    # The inner where keeps log's gradient finite at w == 0.
-    w_log_w = jnp.where(positive, w * jnp.log(jnp.where(positive, w, 1.0)), 0.0)
+    weights = jnp.asarray(weights)
+    if not jnp.issubdtype(weights.dtype, jnp.floating):
+        raise DTypeError(f"attention_entropy expects floating weights, got dtype {weights.dtype}")
+    w = weights.astype(jnp.promote_types(weights.dtype, jnp.float32))
+    zero = w == 0
+    # The inner where keeps log's gradient finite at w == 0; NaN is not 0, so it stays.
+    w_log_w = jnp.where(zero, 0.0, w * jnp.log(jnp.where(zero, 1.0, w)))
     return -jnp.sum(w_log_w, axis=-1)
 
 
-def _check_inputs(q, k, v, mask, bias, kv_lengths):
-    """Validates shapes; returns (H, K, N, S) as Python ints."""
+def rotary_embedding(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Array:
+    """Rotary position embedding (RoPE; Su et al. 2021), rotate-half layout.
+
+    Feature pairs `(x[..., i], x[..., i + D/2])` are rotated by the angle
+    `position · base^(-2i/D)` (the pairing of GPT-NeoX, LLaMA and Gemma; the paper
+    pairs neighbours `(2i, 2i+1)`, an equivalent permutation of the weights). Applied
+    to q and k, their dot product depends only on the position difference.
+
+    Args:
+      x: `(B…, heads, N, D)`, D even.
+      positions: int or float `(N,)` or `(B…, N)`: the position of each token (e.g.
+        offset by the cache index when decoding).
+      base: the wavelength base, > 0.
+
+    Returns:
+      `(B…, heads, N, D)` in `x`'s dtype; angles and products computed in float32.
+
+    Raises:
+      ValueError: for an odd D, a rank < 3 `x`, positions that do not match N, or base <= 0.
+      TypeError: for non-floating `x`.
+    """
+    x = jnp.asarray(x)
+    positions = jnp.asarray(positions)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise DTypeError(f"rotary_embedding expects floating x, got dtype {x.dtype}")
+    if x.ndim < 3 or x.shape[-1] % 2:
+        raise ValueError(f"rotary_embedding expects x of shape (B…, heads, N, D) with D even, got {x.shape}")
+    if positions.ndim < 1 or positions.shape[-1] != x.shape[-2] or positions.ndim > x.ndim - 1:
+        raise ValueError(f"positions must be (N,) or (B…, N) with N={x.shape[-2]}, got shape {positions.shape}")
+    if not base > 0:
+        raise ValueError(f"base must be > 0, got {base}")
+    half = x.shape[-1] // 2
+    dtype = jnp.promote_types(x.dtype, jnp.float32)
+    freq = jnp.asarray(base, dtype) ** (-jnp.arange(half, dtype=dtype) * 2 / x.shape[-1])  # (D/2,)
+    angle = positions.astype(dtype)[..., None] * freq  # (B…, N, D/2)
+    angle = jax.lax.broadcast_to_rank(angle[..., None, :, :], x.ndim)  # (B…, 1, N, D/2)
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    x1, x2 = x[..., :half].astype(dtype), x[..., half:].astype(dtype)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------
+# Input checks of `attention`: one place, the same for every path.
+# ---------------------------------------------------------------------------------
+
+
+def _check_qkv(q, k, v):
+    """Dtypes and shapes of q, k, v; returns the broadcast batch dims."""
     for name, x in (("q", q), ("k", k), ("v", v)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise DTypeError(f"{name} must be a real floating-point array, got dtype {x.dtype}")
         if x.ndim < 3:
-            raise ValueError(f"{name} must have shape (B…, heads, length, D), got rank {x.ndim} shape {x.shape}")
+            raise ValueError(f"{name} must have shape (B…, heads, length, D), got shape {x.shape}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise DTypeError(f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not q.ndim == k.ndim == v.ndim:
         raise ValueError(f"q, k, v must have the same rank, got shapes {q.shape}, {k.shape}, {v.shape}")
-    *_, h, n, d = q.shape
-    *_, kh, s, dk = k.shape
-    if k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(
-            f"k and v must agree in batch, heads and length: k {k.shape} vs v {v.shape} "
-            f"(key length {s}, value length {v.shape[-2]})"
-        )
+    (h, _, d), (kh, s, dk) = q.shape[-3:], k.shape[-3:]
+    if k.shape[-3:-1] != v.shape[-3:-1]:
+        raise ValueError(f"k and v must agree in heads and length: k {k.shape} vs v {v.shape}")
     if dk != d:
         raise ValueError(f"q and k head dims differ: q {q.shape} (D={d}) vs k {k.shape} (D={dk})")
-    if q.shape[:-3] != k.shape[:-3]:
-        raise ValueError(f"q and k batch dims differ: q {q.shape} vs k {k.shape}")
     if kh < 1 or h % kh:
         raise ValueError(f"num_heads={h} of q is not divisible by num_kv_heads={kh} of k/v")
-    target = q.shape[:-3] + (h, n, s)
-    for name, x in (("mask", mask), ("bias", bias)):
-        if x is None:
-            continue
-        try:
-            ok = np.broadcast_shapes(jnp.shape(x), target) == target
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError(f"{name} of shape {jnp.shape(x)} does not broadcast to (B…, H, N, S) = {target}")
-    if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
-        raise ValueError(f"mask must be boolean (True = may attend), got dtype {jnp.asarray(mask).dtype}")
-    if kv_lengths is not None:
-        try:
-            ok = np.broadcast_shapes(jnp.shape(kv_lengths), q.shape[:-3]) == q.shape[:-3]
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError(f"kv_lengths of shape {jnp.shape(kv_lengths)} does not broadcast to the batch dims {q.shape[:-3]}")
-    return h, kh, n, s
+    try:
+        return tuple(jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
+    except ValueError:
+        raise ValueError(f"batch dims of q {q.shape}, k {k.shape}, v {v.shape} do not broadcast") from None
 
 
-def _combined_mask(mask, kv_lengths, is_causal, n, s):
-    """AND of the explicit mask, the length mask and the causal pattern, or None."""
-    parts = [m for m in (mask,) if m is not None]
-    if kv_lengths is not None:
-        parts.append(lengths_mask(kv_lengths, s))
-    if is_causal:
-        parts.append(causal_mask(n, s))
-    if not parts:
+def _check_pairwise(name: str, x, target: tuple, floating: bool):
+    """A mask (bool) or bias (float) broadcastable to the scores `target`, or None."""
+    if x is None:
         return None
-    rank = max(jnp.ndim(m) for m in parts)
-    parts = [jax.lax.broadcast_to_rank(jnp.asarray(m), rank) for m in parts]  # explicit ranks
-    out = parts[0]
-    for m in parts[1:]:
-        out = jnp.logical_and(out, m)
-    return out
+    x = jnp.asarray(x)
+    if floating and not jnp.issubdtype(x.dtype, jnp.floating):
+        raise DTypeError(f"{name} must be floating (added to the logits), got dtype {x.dtype}; a boolean "
+                         "mask goes in `mask`")
+    if not floating and x.dtype != jnp.bool_:
+        raise DTypeError(f"{name} must be boolean (True = may attend), got dtype {x.dtype}; "
+                         "an additive mask goes in `bias`")
+    if x.ndim > len(target) or not _masking.fits(x.shape, target):
+        raise ValueError(f"{name} of shape {x.shape} does not broadcast to (B…, H, N, S) = {target}")
+    return x
 
 
-# Einsum strings of the plain path, by layout: without GQA (G == 1) the heads stay one
-# axis, as reshaping N x S arrays between (K, G) and H costs XLA a copy of each (and
-# of each gradient); with GQA, K/V are shared by the G query heads of a group.
-_SCORES = {False: "...hnd,...hsd->...hns", True: "...kgnd,...ksd->...kgns"}  # q·k
-_MIX = {False: "...hns,...hsd->...hnd", True: "...kgns,...ksd->...kgnd"}  # weights·v, dS·k
-_MIX_T = {False: "...hns,...hnd->...hsd", True: "...kgns,...kgnd->...ksd"}  # weightsᵀ·dO, dSᵀ·q
+def _check_lengths(name: str, x, batch: tuple | None):
+    """Integer lengths broadcastable to the batch dims `batch` (any when None), or None."""
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise DTypeError(f"{name} must be integers, got dtype {x.dtype}")
+    if batch is not None and (x.ndim > len(batch) or not _masking.fits(x.shape, batch)):
+        raise ValueError(f"{name} of shape {x.shape} does not broadcast to the batch dims {batch}")
+    return x
 
 
-def _masked_softmax(logits, mask):
-    """float32 softmax over the last axis; masked entries and fully masked rows are 0."""
-    if mask is None:
-        # Written out (not jax.nn.softmax) so that XLA:CPU fuses scores, softmax and
-        # weights·v into one kernel; l >= 1 since the row maximum contributes exp(0).
-        p = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
-        return p * (1.0 / jnp.sum(p, axis=-1, keepdims=True))
-    # A finite floor (not -inf) keeps fully masked rows NaN-free; they come out
-    # uniform and the second where() zeroes them (other rows' masked entries are
-    # already exp(-huge) = 0).
-    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    p = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
-    return jnp.where(mask, p * (1.0 / jnp.sum(p, axis=-1, keepdims=True)), 0.0)
-
-
-def _reduce_to(x, shape):
-    """Sums `x` over the axes where `shape` (same rank) has size 1: a broadcast's transpose."""
-    axes = tuple(i for i, (a, b) in enumerate(zip(x.shape, shape)) if b == 1 and a != 1)
-    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
-
-
-def _weights(grouped, q, k, mask, bias):
-    """float32 attention weights; q pre-scaled, layouts and mask/bias ranks as the logits."""
-    logits = jnp.einsum(_SCORES[grouped], q, k, preferred_element_type=jnp.float32)
-    if bias is not None:
-        logits = logits + bias
-    return _masked_softmax(logits, mask)
-
-
-def _core_forward(grouped, q, k, v, mask, bias):
-    """`(out, weights)`; q pre-scaled, layouts and mask/bias ranks as the logits."""
-    weights = _weights(grouped, q, k, mask, bias)
-    return jnp.einsum(_MIX[grouped], weights.astype(v.dtype), v), weights
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention_core(grouped, q, k, v, mask, bias):
-    """softmax(q kᵀ + bias, mask) v with a hand-written backward pass.
-
-    Autodiff of the softmax walks the N x S arrays about ten times and keeps several of
-    them alive; this VJP (the FlashAttention-2 backward, Dao 2023, in one block) keeps
-    only the weights W and needs three N x S passes: dW = dO vᵀ, then
-    dS = W ⊙ (dW - rowsum(dO ⊙ O)), read by dq = dS k and dk = dSᵀ q. On CPU every
-    fresh N x S buffer also costs page faults, so fewer of them is most of the gain.
-    Reverse mode only, like any custom VJP: `jax.jvp` through `attention` needs the
-    weights path (`return_weights=True`).
-    """
-    return _core_forward(grouped, q, k, v, mask, bias)[0]
-
-
-def _attention_core_fwd(grouped, q, k, v, mask, bias):
-    out, weights = _core_forward(grouped, q, k, v, mask, bias)
-    return out, (q, k, v, mask, bias, weights, out)
-
-
-def _attention_core_bwd(grouped, res, d_out):
-    q, k, v, mask, bias, weights, out = res
-    # rowsum(dW ⊙ W) = dO · O, an N x D product instead of an N x S one.
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
-    dv = jnp.einsum(_MIX_T[grouped], weights.astype(v.dtype), d_out.astype(v.dtype))
-    dw = jnp.einsum(_SCORES[grouped], d_out, v, preferred_element_type=jnp.float32)
-    ds = weights * (dw - delta)  # d loss / d logits; 0 where masked and in fully masked rows
-    dq = jnp.einsum(_MIX[grouped], ds.astype(k.dtype), k)
-    dk = jnp.einsum(_MIX_T[grouped], ds.astype(q.dtype), q)
-    dbias = None if bias is None else _reduce_to(ds, bias.shape).astype(bias.dtype)
-    # The mask is boolean: no cotangent.
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, dbias
-
-
-_attention_core.defvjp(_attention_core_fwd, _attention_core_bwd)
-
-
-def _chunked_attention_core(grouped, q, k, v, mask, bias):
-    """`_attention_core` over blocks of query rows (a `lax.map`), each block's float32
-    scores (all heads, all keys) at most XLA_CHUNK_SCORE_BYTES.
-
-    Query rows are independent given all the keys, so this is the same function; what
-    changes is memory. The whole (B…, H, N, S) scores (32 MB at B=4, H=8, N=S=512) are
-    too big for the allocator to recycle: glibc serves blocks of 32 MB and more from
-    mmap and hands them back, so every call page-faults them in anew, which on CPU
-    costs more than the attention arithmetic. Blocks of a few MB come from the heap,
-    are reused, and stay in cache: on a 2-core CPU the attention runs 1.2-1.5x faster
-    forward and 1.1-1.4x forward+backward at N >= 512 than in one block.
-    Blocking the query axis, not the heads, keeps every (B…, H) axis whole, so a batch
-    sharded over "data" and heads over "model" (`jax_mha.parallel`) stay sharded inside
-    the loop without any all-gather (blocks of heads need one per block).
-
-    Layouts as `_attention_core`; N is padded up to a whole number of blocks and the
-    padded rows dropped.
-    """
-    n, s = q.shape[-2], k.shape[-2]
-    per_row = math.prod(q.shape[:-2]) * s * 4  # float32 scores of one query row, every head
-    rows = max(1, XLA_CHUNK_SCORE_BYTES // max(per_row, 1))
-    if rows >= n:
-        return _attention_core(grouped, q, k, v, mask, bias)
-    num_blocks = -(-n // rows)
-    rows = -(-n // num_blocks)  # same block count, fewest padded rows
-    pad = num_blocks * rows - n
-
-    def blocks(x, fill):
-        """`(…, N, X) -> (num_blocks, …, rows, X)`."""
-        if pad:
-            x = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pad), (0, 0)], constant_values=fill)
-        x = x.reshape(x.shape[:-2] + (num_blocks, rows, x.shape[-1]))
-        return jnp.moveaxis(x, -3, 0)
-
-    def pairwise(x, fill):
-        """(per-block slices, shared array): a mask/bias without a query axis is shared."""
-        if x is None:
-            return None, None
-        return (None, x) if x.shape[-2] == 1 else (blocks(x, fill), None)
-
-    (mask_blocks, mask_shared), (bias_blocks, bias_shared) = pairwise(mask, True), pairwise(bias, 0.0)
-
-    def one(block):
-        q_i, mask_i, bias_i = block
-        return _attention_core(
-            grouped, q_i, k, v,
-            mask_shared if mask_i is None else mask_i, bias_shared if bias_i is None else bias_i,
-        )
-
-    out = jax.lax.map(one, (blocks(q, 0), mask_blocks, bias_blocks))  # (num_blocks, …, rows, Dv)
-    out = jnp.moveaxis(out, 0, -3).reshape(q.shape[:-2] + (num_blocks * rows, v.shape[-1]))
-    return out[..., :n, :]
-
-
-def _xla_attention(q, k, v, mask, bias, scale, dropout_rate, dropout_rng, deterministic, need_weights=True):
-    """Plain path: materialises the `(B…, H, N, S)` weights. Returns (out, weights).
-
-    Without dropout and when the caller does not need the weights, the work goes to
-    `_chunked_attention_core` (same function, in blocks of queries, with a leaner
-    gradient) and `weights` is None.
-    """
-    *batch, h, n, d = q.shape
-    kh, s = k.shape[-3], k.shape[-2]
-    groups = h // kh
-    grouped = groups > 1
-    # Scale q (N·D values) rather than the N·S scores, as flax does: fewer multiplies.
-    q = q * jnp.asarray(scale, q.dtype)
-    rank = q.ndim  # of (B…, H, N, S)
-    if bias is not None:
-        bias = jax.lax.broadcast_to_rank(jnp.asarray(bias, jnp.float32), rank)
-    if mask is not None:
-        mask = jax.lax.broadcast_to_rank(mask, rank)
-    if grouped:
-        # GQA without repeating k/v: query heads h = kv_head * G + g share kv_head.
-        q = q.reshape(*batch, kh, groups, n, d)  # (B…, K, G, N, D)
-        to_groups = lambda x: x.reshape(
-            x.shape[:-3] + ((kh, groups) if x.shape[-3] != 1 else (1, 1)) + x.shape[-2:]
-        )  # (B…, K|1, G|1, N|1, S|1)
-        bias = None if bias is None else to_groups(bias)
-        mask = None if mask is None else to_groups(mask)
-    dropout_active = dropout_rate > 0.0 and not deterministic
-    if not (need_weights or dropout_active):
-        out = _chunked_attention_core(grouped, q, k, v, mask, bias)
-        return out.reshape(*batch, h, n, v.shape[-1]), None  # (B…, H, N, Dv)
-
-    weights = _weights(grouped, q, k, mask, bias)
-    if dropout_active:
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
-        weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
-    weights = weights.astype(v.dtype)
-    out = jnp.einsum(_MIX[grouped], weights, v)
-    # (B…, H, N, Dv) and (B…, H, N, S)
-    return out.reshape(*batch, h, n, v.shape[-1]), weights.reshape(*batch, h, n, s)
-
-
-def _cudnn_problem(q, k, v, dropout_active, return_weights) -> str | None:
-    """Why the cuDNN fused kernel cannot run these inputs, or None if it can."""
-    if jax.default_backend() != "gpu":
-        return f"the cudnn implementation needs a GPU backend, this one is {jax.default_backend()!r}"
-    if q.dtype not in (jnp.float16, jnp.bfloat16):
-        return f"the cudnn implementation needs float16 or bfloat16 inputs, got {q.dtype}"
-    d = q.shape[-1]
-    if d > 128 or d % 8:
-        return f"the cudnn implementation needs head_dim <= 128 and a multiple of 8, got D={d}"
-    if v.shape[-1] != d:
-        return f"the cudnn implementation needs equal q/k and v head dims, got {d} and {v.shape[-1]}"
-    if return_weights:
-        return "the cudnn implementation never builds the weights: return_weights=True needs 'xla'"
-    if dropout_active:
-        return "the cudnn implementation here does not apply dropout: use 'xla'"
-    return None
-
-
-def _cudnn_attention(q, k, v, mask, bias, kv_lengths, is_causal, scale):
-    """Delegates to `jax.nn.dot_product_attention(implementation="cudnn")`."""
-    *batch, h, n, d = q.shape
-    if is_causal and n != k.shape[-2]:
-        # jax.nn aligns its causal pattern top-left; ours puts the queries last
-        # (causal_mask), so pass it as an explicit mask there.
-        mask = _combined_mask(mask, None, True, n, k.shape[-2])
-        is_causal = False
-    flat = lambda x: jnp.swapaxes(x.reshape(-1, *x.shape[-3:]), -3, -2)  # (B, L, heads, D)
-    full = lambda x: None if x is None else jnp.broadcast_to(x, (*batch, h, n, k.shape[-2])).reshape(-1, h, n, k.shape[-2])
-    lengths = None if kv_lengths is None else jnp.broadcast_to(kv_lengths, tuple(batch)).reshape(-1).astype(jnp.int32)
-    out = jax.nn.dot_product_attention(
-        flat(q), flat(k), flat(v), bias=full(bias), mask=full(mask), scale=scale,
-        is_causal=is_causal, key_value_seq_lengths=lengths, implementation="cudnn",
-    )  # (B, N, H, D)
-    return jnp.swapaxes(out, -3, -2).reshape(*batch, h, n, d)
+def _check_options(scale, dropout_rate, dropout_rng, deterministic, empty_rows, is_causal, d):
+    """The scalar options; returns the scale as a Python float."""
+    if empty_rows not in EMPTY_ROWS:
+        raise ValueError(f"empty_rows must be one of {EMPTY_ROWS}, got {empty_rows!r}")
+    if not isinstance(is_causal, (bool, type(jnp.bool_(True)))):
+        raise TypeError(f"is_causal must be a Python bool, got {is_causal!r}")
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+    if dropout_rate > 0.0 and not deterministic and dropout_rng is None:
+        raise ValueError(f"dropout_rate={dropout_rate} with deterministic=False needs a dropout_rng key")
+    if scale is None:
+        return 1.0 / math.sqrt(d) if d else 1.0
+    if isinstance(scale, bool):
+        raise TypeError(f"scale must be a real number, got {scale!r}")
+    try:
+        scale = float(scale)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        raise TypeError(f"scale must be a static real number (not traced), got {scale!r}") from None
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
 
 
 def resolve_implementation(
@@ -439,11 +333,66 @@ def resolve_implementation(
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
     if implementation != "auto":
         return implementation
-    if _cudnn_problem(q, k, v, dropout, return_weights) is None:
+    if cudnn_problem(q, k, v, dropout, return_weights) is None:
         return "cudnn"
     if not (return_weights or dropout) and q.shape[-2] * k.shape[-2] >= AUTO_BLOCKWISE_MIN_SCORES:
         return "blockwise"
     return "xla"
+
+
+def _check_path(path, q, k, v, dropout, return_weights):
+    """Raises ValueError when the chosen path cannot run these inputs."""
+    if path == "cudnn":
+        problem = cudnn_problem(q, k, v, dropout, return_weights)
+        if problem is not None:
+            raise ValueError(problem)
+    if path == "blockwise" and return_weights:
+        raise ValueError("return_weights=True needs implementation='xla': the blockwise path "
+                         "exists to never build the (B…, H, N, S) weights")
+    if path == "blockwise" and dropout:
+        raise ValueError("dropout on the weights is not supported by implementation='blockwise'; use 'xla'")
+
+
+# ---------------------------------------------------------------------------------
+# The paths, and the empty-row policy applied to all of them.
+# ---------------------------------------------------------------------------------
+
+
+def _weights_path(q, k, v, desc, scale, dropout_rate, dropout_rng):
+    """The reference path: `(out, weights, empty)`, with dropout on the weights."""
+    batch_rank = q.ndim - 3
+    vis = _masking.Visibility(
+        q.shape[-2], k.shape[-2], desc["is_causal"], desc["window"], desc["mask"],
+        _masking.lengths_at_rank(desc["q_lengths"], batch_rank),
+        _masking.lengths_at_rank(desc["kv_lengths"], batch_rank),
+    )
+    allowed = _masking.dense_allowed(vis, q.ndim)
+    bias = None if desc["bias"] is None else jax.lax.broadcast_to_rank(desc["bias"], q.ndim)
+    weights, empty = reference_weights(q, k, allowed, bias, scale=scale)
+    applied = weights
+    if dropout_rate > 0.0:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
+        applied = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+    out = jnp.where(empty[..., None], 0.0, mix_values(applied, v, allowed))
+    return out, applied, empty
+
+
+def _finish(out, weights, empty, v, q_lengths, empty_rows):
+    """Applies the empty-row policy and zeroes query rows past `q_lengths`."""
+    *batch, h, n, _ = out.shape
+    s = v.shape[-2]
+    if empty_rows == "uniform":
+        groups = h // v.shape[-3]
+        mean_v = jnp.repeat(jnp.mean(v.astype(out.dtype), axis=-2, keepdims=True), groups, axis=-3)
+        out = jnp.where(empty[..., None], mean_v, out)  # (B…, H, N, Dv)
+        if weights is not None:
+            weights = jnp.where(empty[..., None], jnp.asarray(1.0 / s, weights.dtype), weights)
+    if q_lengths is not None:
+        row_ok = jnp.arange(n) < _masking.lengths_at_rank(q_lengths, len(batch))[..., 0]  # (B…, 1, N)
+        out = jnp.where(row_ok[..., None], out, 0.0)
+        if weights is not None:
+            weights = jnp.where(row_ok[..., None], weights, 0.0)
+    return out, weights
 
 
 def attention(
@@ -455,87 +404,111 @@ def attention(
     *,
     is_causal: bool = False,
     scale: float | None = None,
+    local_window_size: int | tuple[int | None, int | None] | None = None,
+    q_lengths: jax.Array | None = None,
+    kv_lengths: jax.Array | None = None,
+    empty_rows: str = "zero",
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     deterministic: bool = True,
     return_weights: bool = False,
     implementation: str | None = "xla",
-    kv_lengths: jax.Array | None = None,
-    query_block_size: int = 128,
-    key_block_size: int = 512,
+    query_block_size: int = QUERY_BLOCK_SIZE,
+    key_block_size: int = KEY_BLOCK_SIZE,
 ):
     """Scaled dot-product attention for all heads at once.
 
-    `softmax(q kᵀ · scale + bias, masked) v`, with the softmax in float32 whatever the
-    input dtype. Query rows with no key left to attend give zeros (never NaN), in the
-    output, the weights and every gradient.
+    `softmax(q kᵀ · scale + bias, masked) v`. The logits are scaled and soft-maxed in
+    float32 whatever the input dtype (float64 in float64); the output has q's dtype.
+    Every path (`implementation`) reads the same description of who may attend
+    (`jax_mha._masking`), so they agree to rounding, edge cases included.
+
+    Query `i` sits at key position `i + S - N` (the queries are the last N positions:
+    `causal_mask`, decoding with a cache). jax.nn aligns `is_causal` and
+    `local_window_size` top-left instead; the two agree when N == S.
 
     Args:
-      q: `(B…, H, N, D)` queries.
+      q: `(B…, H, N, D)` queries, real floating point.
       k: `(B…, K, S, D)` keys, `H % K == 0`; query heads `h*G:(h+1)*G` (G = H // K)
         share key/value head `h` (GQA; `K == 1` is MQA). K/V are never repeated.
-      v: `(B…, K, S, Dv)` values.
+      v: `(B…, K, S, Dv)` values. q, k, v share one dtype; batch dims broadcast.
       mask: bool, broadcastable to `(B…, H, N, S)`; True = may attend.
-      bias: float, broadcastable to `(B…, H, N, S)`, added to the logits.
-      is_causal: AND the `causal_mask(N, S)` pattern into the mask.
-      scale: logit scale, default `1/sqrt(D)`.
+      bias: float, broadcastable to `(B…, H, N, S)`, added to the scaled logits; a
+        `-inf` entry masks its key (a row of `-inf` is an empty row). Differentiable.
+      is_causal: key `j` visible to query `i` only if `j <= i + S - N`.
+      scale: logit scale (a static number), default `1/sqrt(D)`.
+      local_window_size: `(left, right)` (jax.nn's name and meaning) or an int `w`
+        for `(w, w)`: key `j` visible only if `i + S - N - left <= j <= i + S - N +
+        right`; a side of None is unbounded.
+      q_lengths: int, broadcastable to `(B…)`: valid queries per sequence; rows past
+        it are padding and output 0 (as jax.nn's `query_seq_lengths`).
+      kv_lengths: int, broadcastable to `(B…)`: valid keys per sequence (jax.nn's
+        `key_value_seq_lengths`); never materialised as a mask on the tuned paths.
+      empty_rows: what a query with no visible key outputs: `"zero"` (default; zeros
+        in the output, the weights and every gradient) or `"uniform"` (the mean of all
+        S values, weights 1/S: what flax and jax.nn return).
       dropout_rate: dropout on the attention weights, applied only when
-        `deterministic=False`.
-      dropout_rng: PRNG key, required when dropout is active.
+        `deterministic=False`; needs `dropout_rng` then.
+      dropout_rng: PRNG key for the dropout.
       deterministic: disables dropout.
       return_weights: also return the weights (after dropout, as applied to `v`).
-      implementation: `"xla"` (materialises the weights), `"blockwise"` (online
-        softmax, memory linear in N; see `jax_mha.blockwise`), `"cudnn"` (fused GPU
-        kernel via `jax.nn.dot_product_attention`), or `"auto"`/None (the fastest
-        valid one).
-      kv_lengths: int, broadcastable to `(B…)`: the number of valid keys of each
-        sequence (a padding mask that the blockwise path never materialises).
+      implementation: `"xla"` (all keys in one block; the weights path when they are
+        returned or dropped out), `"blockwise"` (memory linear in N; skips blocks that
+        causality or the window rule out), `"cudnn"` (jax.nn's fused GPU kernel;
+        reverse-mode only), or `"auto"`/None (`resolve_implementation`).
       query_block_size, key_block_size: block sizes of the blockwise path.
 
     Returns:
       `out (B…, H, N, Dv)` in `q`'s dtype, or `(out, weights (B…, H, N, S))` when
-      `return_weights=True`.
+      `return_weights=True`. N == 0 or S == 0 gives zeros of that shape. A row that
+      may attend to a NaN or infinite input is NaN; no other row is touched by it.
 
     Raises:
-      ValueError: on inconsistent shapes (naming them), a mask or bias that does not
-        broadcast, an unknown implementation or one that cannot run these inputs, or
-        dropout requested without `dropout_rng`.
+      TypeError: for integer, complex or mixed dtypes, a non-boolean mask, a
+        non-floating bias, non-integer lengths or a bad `local_window_size`.
+      ValueError: for shapes that do not fit (naming them), an unknown implementation
+        or one that cannot run these inputs, a bad option, or dropout without a key.
     """
-    h, kh, n, s = _check_inputs(q, k, v, mask, bias, kv_lengths)
-    if not 0.0 <= dropout_rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
-    dropout_active = dropout_rate > 0.0 and not deterministic
-    if dropout_active and dropout_rng is None:
-        raise ValueError(
-            f"dropout_rate={dropout_rate} with deterministic=False needs a dropout_rng key"
-        )
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    implementation = resolve_implementation(
-        q, k, v, implementation=implementation, return_weights=return_weights, dropout=dropout_active
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    batch = _check_qkv(q, k, v)
+    scores = batch + q.shape[-3:-1] + (k.shape[-2],)
+    desc = dict(
+        mask=_check_pairwise("mask", mask, scores, floating=False),
+        bias=_check_pairwise("bias", bias, scores, floating=True),
+        q_lengths=_check_lengths("q_lengths", q_lengths, batch),
+        kv_lengths=_check_lengths("kv_lengths", kv_lengths, batch),
+        is_causal=bool(is_causal), window=_masking.canonical_window(local_window_size),
     )
-
-    if implementation == "cudnn":
-        problem = _cudnn_problem(q, k, v, dropout_active, return_weights)
-        if problem is not None:
-            raise ValueError(problem)
-        return _cudnn_attention(q, k, v, mask, bias, kv_lengths, is_causal, scale)
-
-    if implementation == "blockwise":
-        if return_weights:
-            raise ValueError(
-                "return_weights=True needs implementation='xla': the blockwise path "
-                "exists to never build the (B…, H, N, S) weights"
-            )
-        if dropout_active:
-            raise ValueError("dropout on the weights is not supported by implementation='blockwise'; use 'xla'")
-        return blockwise_attention(
-            q, k, v, mask=mask, bias=bias, kv_lengths=kv_lengths, is_causal=is_causal,
-            scale=scale, query_block_size=query_block_size, key_block_size=key_block_size,
-        )
-
-    full_mask = _combined_mask(mask, kv_lengths, is_causal, n, s)
-    out, weights = _xla_attention(
-        q, k, v, full_mask, bias, scale, dropout_rate, dropout_rng, deterministic, need_weights=return_weights
-    )
+    scale = _check_options(scale, dropout_rate, dropout_rng, deterministic, empty_rows, is_causal, q.shape[-1])
+    dropout = dropout_rate > 0.0 and not deterministic
+    path = resolve_implementation(q, k, v, implementation=implementation, return_weights=return_weights, dropout=dropout)
+    _check_path(path, q, k, v, dropout, return_weights)
+    out, weights, empty = _run_path(path, q, k, v, desc, scale, dropout_rate if dropout else 0.0, dropout_rng,
+                                    return_weights, query_block_size, key_block_size)
+    out, weights = _finish(out, weights, empty, v, desc["q_lengths"], empty_rows)
     out = out.astype(q.dtype)
-    return (out, weights) if return_weights else out
+    return (out, weights.astype(q.dtype)) if return_weights else out
+
+
+def _run_path(path, q, k, v, desc, scale, dropout_rate, dropout_rng, return_weights, q_block, k_block):
+    """`(out, weights or None, empty)` from the chosen path."""
+    batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3])
+    n, s = q.shape[-2], k.shape[-2]
+    if n == 0 or s == 0:
+        out = jnp.zeros(batch + q.shape[-3:-1] + v.shape[-1:], jnp.promote_types(q.dtype, jnp.float32))
+        weights = jnp.zeros(batch + q.shape[-3:-1] + (s,), out.dtype) if return_weights else None
+        return out, weights, jnp.zeros(out.shape[:-1], bool)  # zeros under either policy
+    if return_weights or dropout_rate > 0.0:
+        return _weights_path(q, k, v, desc, scale, dropout_rate, dropout_rng)
+    if path == "cudnn":
+        out, empty = cudnn_attention(q, k, v, scale=scale, **desc)
+        return out, None, empty
+    if path == "blockwise":
+        q_block = _index("query_block_size", q_block)
+        k_block = _index("key_block_size", k_block)
+        if q_block < 1 or k_block < 1:
+            raise ValueError(f"block sizes must be >= 1, got query_block_size={q_block}, key_block_size={k_block}")
+        out, lse = blockwise_attention(q, k, v, query_block_size=q_block, key_block_size=k_block, scale=scale, **desc)
+    else:
+        out, lse = dense_attention(q, k, v, scale=scale, **desc)
+    return out, None, lse == jnp.inf

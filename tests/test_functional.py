@@ -388,7 +388,7 @@ def test_split_heads_errors(rng):
 
 def test_attention_shape_errors(rng):
     q, k, v = qkv(rng)
-    with pytest.raises(ValueError, match=r"q must have .*rank 2 shape \(5, 11\)"):
+    with pytest.raises(ValueError, match=r"q must have shape .*got shape \(5, 11\)"):
         attention(q[0, 0], k, v)
     with pytest.raises(ValueError, match=r"key length 7, value length 5"):
         attention(q, k, normal(rng, (B, H, 5, DV)))

@@ -358,7 +358,7 @@ def test_transformer_block_return_weights(rng):
     chex.assert_shape(w, (B, H, N, N))
     np.testing.assert_allclose(jnp.sum(w, -1), np.ones((B, H, N)), atol=1e-5)
     np.testing.assert_array_equal(np.asarray(w)[..., ~np.asarray(causal_mask(N))], 0.0)
-    np.testing.assert_array_equal(y, block.apply(params, x, is_causal=True))
+    np.testing.assert_allclose(y, block.apply(params, x, is_causal=True), atol=1e-6)
 
 
 # ---------------------------------------------------------------- gradient flow

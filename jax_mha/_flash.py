@@ -1,0 +1,376 @@
+"""The tuned attention engine: blocks of queries against blocks of keys, online softmax.
+
+Both tuned paths run this one engine; only the block sizes differ (`jax_mha.blockwise`
+chooses them): `"xla"` takes every key in one block (blocks of query rows sized to
+stay in cache), `"blockwise"` takes small key blocks too, so memory stays linear in N.
+
+* Forward (`_forward`): the FlashAttention recurrence (Dao et al. 2022, Alg. 1; Rabe &
+  Staats 2021). Per query block, a running row maximum `m`, normaliser `l` and
+  accumulator are rescaled by `exp(m_old - m_new)` as key blocks arrive; key blocks
+  that causality or the window rule out are never visited. Saves only `out` and the
+  row log-sum-exp `lse`.
+* Derivatives (`_tangent`): a `jax.custom_jvp` whose tangent is linear in
+  `(dq, dk, dv, dbias)` and recomputes each block's weights `P = exp(S - lse)` from
+  the saved `lse`:
+
+      dS = scale·(dq kᵀ + q dkᵀ) + dbias,   A = P ⊙ dS,   c = rowsum(A)
+      d out = A v + P dv - c·out,             d lse = c
+
+  `jax.jvp`/`jacfwd` evaluate it directly; for `grad`/`vjp` JAX transposes it, which
+  gives the FlashAttention-2 backward (Dao 2023, Alg. 2: dv = Pᵀ g, dS = P ⊙ (g vᵀ -
+  rowsum(g ⊙ out)), dq = scale·dS k, dk = scale·dSᵀ q) with every block body
+  rematerialised (`jax.checkpoint`), so the backward also keeps only O((N + S)·D).
+  Forward-over-reverse (`jax.hessian`) differentiates that backward in turn.
+
+Layout inside the engine (`B` = flattened batch, `K` key/value heads, `G` query heads
+per key/value head, `R = G·Np` query rows of all G heads stacked, so GQA is one
+batched matmul per block and k/v are never repeated):
+  q (B, K, R, D)   k (B, K, Sp, D)   v (B, K, Sp, Dv)
+  bias, mask (B|1, K|1, G|1, Np|1, Sp|1)   q_len, kv_len (B|1, 1, 1, 1) int32
+Masked scores are -inf, selected with `where`; a row with no visible key has
+`m = -inf` and `lse = +inf` and outputs 0. A row that may attend to a non-finite
+value outputs NaN; the value matmuls see only finite values, so a NaN in a masked
+value never reaches another row.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+from jax_mha._masking import Visibility, Window, block_allowed, key_block_band, key_range
+
+_SCORES = "bkqd,bkcd->bkqc"  # q kᵀ per block (also dq kᵀ, q dkᵀ)
+_MIX = "bkqc,bkcd->bkqd"  # p v per block (also a v, p dv)
+
+
+class Plan(NamedTuple):
+    """Static (hashable) configuration of one engine call."""
+
+    n: int  # N before padding
+    s: int  # S before padding
+    n_pad: int  # N padded to a multiple of q_block
+    s_pad: int  # S padded to a multiple of k_block
+    groups: int  # G = H // K
+    q_block: int
+    k_block: int
+    band: int  # the most key blocks any query block visits (static loop length)
+    is_causal: bool
+    window: Window | None
+    scale: float
+    dtype: str  # accumulation dtype: "float32", or "float64" for float64 inputs
+
+    @property
+    def num_row_blocks(self) -> int:
+        return self.groups * self.n_pad // self.q_block
+
+
+class Arrays(NamedTuple):
+    """The engine's array inputs (bias is differentiable; mask and lengths are not)."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    bias: jax.Array | None
+    mask: jax.Array | None
+    q_len: jax.Array | None
+    kv_len: jax.Array | None
+
+
+def _visibility(plan: Plan, a: Arrays) -> Visibility:
+    return Visibility(plan.n, plan.s, plan.is_causal, plan.window, a.mask, a.q_len, a.kv_len)
+
+
+def _pair_block(x: jax.Array | None, plan: Plan, g, i0, j0) -> jax.Array | None:
+    """Head `g`, rows `i0…`, keys `j0…` of a `(B|1, K|1, G|1, Np|1, Sp|1)` mask or
+    bias, as `(B|1, K|1, bq|1, bk|1)`; size-1 axes stay size 1."""
+    if x is None:
+        return None
+    x = lax.dynamic_index_in_dim(x, g if x.shape[2] != 1 else 0, axis=2, keepdims=False)
+    if x.shape[-2] != 1:
+        x = lax.dynamic_slice_in_dim(x, i0, plan.q_block, axis=2)
+    if x.shape[-1] != 1:
+        x = lax.dynamic_slice_in_dim(x, j0, plan.k_block, axis=3)
+    return x
+
+
+def _row_origin(plan: Plan, r):
+    """Query block `r` of the stacked rows -> (its head g, its first query position)."""
+    r0 = r * plan.q_block
+    return r0 // plan.n_pad, r0 % plan.n_pad
+
+
+def _key_blocks(plan: Plan, a: Arrays, i0):
+    """Key blocks `[lo, hi)` that query rows `i0 … i0 + q_block - 1` can see."""
+    lo, hi = key_range(_visibility(plan, a), i0, i0 + plan.q_block - 1, plan.s_pad)
+    return lo // plan.k_block, (hi + plan.k_block - 1) // plan.k_block
+
+
+def _scores(plan: Plan, a: Arrays, q_i, k_j, g, i0, j0):
+    """float32 scores of one block with -inf where masked, and the allowed mask."""
+    s = jnp.einsum(_SCORES, q_i, k_j, preferred_element_type=_F(plan))
+    s = s * jnp.asarray(plan.scale, _F(plan))
+    bias = _pair_block(a.bias, plan, g, i0, j0)
+    if bias is not None:
+        s = s + bias.astype(_F(plan))
+    rows = i0 + lax.broadcasted_iota(jnp.int32, (plan.q_block, 1), 0)
+    cols = j0 + lax.broadcasted_iota(jnp.int32, (1, plan.k_block), 1)
+    allowed = block_allowed(_visibility(plan, a), rows, cols, _pair_block(a.mask, plan, g, i0, j0), 4)
+    if plan.s_pad != plan.s:  # keys added by padding never take part
+        pad_ok = lax.broadcast_to_rank(cols < plan.s, 4)
+        allowed = pad_ok if allowed is None else allowed & pad_ok
+    if allowed is not None:
+        s = jnp.where(allowed, s, -jnp.inf)
+    return s, allowed
+
+
+def _F(plan: Plan):
+    """The accumulation dtype."""
+    return jnp.dtype(plan.dtype)
+
+
+def _bad_values(v: jax.Array) -> jax.Array:
+    """bool `(B, K, Sp)`: keys whose value vector is not all finite."""
+    return ~jnp.all(jnp.isfinite(v), axis=-1)
+
+
+# ---------------------------------------------------------------------------------
+# Forward.
+# ---------------------------------------------------------------------------------
+
+
+def _forward_rows(plan: Plan, a: Arrays, v_clean, bad, r):
+    """One query block: `(out (B, K, bq, Dv) f32, lse (B, K, bq) f32)`."""
+    g, i0 = _row_origin(plan, r)
+    q_i = lax.dynamic_slice_in_dim(a.q, r * plan.q_block, plan.q_block, axis=2)
+    bk = plan.k_block
+
+    def key_block(j, carry):
+        m, l, acc, touched = carry
+        k_j = lax.dynamic_slice_in_dim(a.k, j * bk, bk, axis=2)
+        v_j = lax.dynamic_slice_in_dim(v_clean, j * bk, bk, axis=2)
+        s, allowed = _scores(plan, a, q_i, k_j, g, i0, j * bk)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no -inf - -inf
+        p = jnp.exp(s - m_safe[..., None])
+        correction = jnp.exp(m - m_safe)
+        pv = jnp.einsum(_MIX, p.astype(v_j.dtype), v_j, preferred_element_type=_F(plan))
+        if bad is not None:
+            bad_j = lax.dynamic_slice_in_dim(bad, j * bk, bk, axis=2)[:, :, None, :]
+            seen = bad_j if allowed is None else allowed & bad_j
+            touched = touched | jnp.any(seen, axis=-1)
+        return m_new, l * correction + jnp.sum(p, -1), acc * correction[..., None] + pv, touched
+
+    rows = a.q.shape[:2] + (plan.q_block,)
+    init = (
+        jnp.full(rows, -jnp.inf, _F(plan)), jnp.zeros(rows, _F(plan)),
+        jnp.zeros(rows + (a.v.shape[-1],), _F(plan)), jnp.zeros(rows, bool),
+    )
+    lo, hi = _key_blocks(plan, a, i0)
+    m, l, acc, touched = lax.fori_loop(lo, hi, key_block, init)
+    empty = m == -jnp.inf
+    out = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, l)[..., None])
+    out = jnp.where((touched & ~empty)[..., None], jnp.nan, out)
+    return out, jnp.where(empty, jnp.inf, m + jnp.log(l))
+
+
+def _clean_values(plan: Plan, a: Arrays):
+    """Values with non-finite entries zeroed, and which keys had them (or None when
+    every row sees every key, so the plain product already propagates them)."""
+    everything_visible = _visibility(plan, a).restricts is False and plan.s_pad == plan.s
+    if everything_visible:
+        return a.v, None
+    bad = _bad_values(a.v)
+    return jnp.where(bad[..., None], jnp.zeros((), a.v.dtype), a.v), bad
+
+
+def _forward(plan: Plan, a: Arrays):
+    """`(out (B, K, R, Dv) float32, lse (B, K, R) float32)`."""
+    v_clean, bad = _clean_values(plan, a)
+    out, lse = lax.map(
+        functools.partial(_forward_rows, plan, a, v_clean, bad), jnp.arange(plan.num_row_blocks)
+    )  # (nr, B, K, bq, Dv), (nr, B, K, bq)
+    return _unblock(out, 3), _unblock(lse, 3)
+
+
+def _unblock(x: jax.Array, row_axis: int) -> jax.Array:
+    """`(nr, B, K, bq, …) -> (B, K, nr·bq, …)`."""
+    x = jnp.moveaxis(x, 0, row_axis - 1)
+    return x.reshape(x.shape[: row_axis - 1] + (-1,) + x.shape[row_axis + 1 :])
+
+
+def _blocks(x: jax.Array, plan: Plan, row_axis: int) -> jax.Array:
+    """`(B, K, R, …) -> (nr, B, K, bq, …)`: the inverse of `_unblock`."""
+    x = x.reshape(x.shape[:row_axis] + (plan.num_row_blocks, plan.q_block) + x.shape[row_axis + 1 :])
+    return jnp.moveaxis(x, row_axis, 0)
+
+
+# ---------------------------------------------------------------------------------
+# Tangent (and, transposed by JAX, the backward pass).
+# ---------------------------------------------------------------------------------
+
+
+def _tangent_block(plan: Plan, a: Arrays, da: Arrays, v_clean, q_i, dq_i, lse_i, g, i0, j):
+    """Contribution of key block `j` to one query block: `(A v + P dv, rowsum(A))`."""
+    bk = plan.k_block
+    k_j = lax.dynamic_slice_in_dim(a.k, j * bk, bk, axis=2)
+    s, allowed = _scores(plan, a, q_i, k_j, g, i0, j * bk)
+    p = jnp.exp(s - lse_i[..., None])  # the softmax weights; 0 where masked or empty
+    ds = None
+    if dq_i is not None:
+        ds = jnp.einsum(_SCORES, dq_i, k_j, preferred_element_type=_F(plan))
+    if da.k is not None:
+        dk_j = lax.dynamic_slice_in_dim(da.k, j * bk, bk, axis=2)
+        term = jnp.einsum(_SCORES, q_i, dk_j, preferred_element_type=_F(plan))
+        ds = term if ds is None else ds + term
+    ds = None if ds is None else ds * jnp.asarray(plan.scale, _F(plan))
+    dbias = _pair_block(da.bias, plan, g, i0, j * bk)
+    if dbias is not None:
+        ds = dbias.astype(_F(plan)) if ds is None else ds + dbias.astype(_F(plan))
+    rows = q_i.shape[:3]
+    mixed = jnp.zeros(rows + (a.v.shape[-1],), _F(plan))
+    c = jnp.zeros(rows, _F(plan))
+    if ds is not None:
+        prod = p * ds
+        w = prod if allowed is None else jnp.where(allowed, prod, 0.0)  # select, never 0·NaN
+        v_j = lax.dynamic_slice_in_dim(v_clean, j * bk, bk, axis=2)
+        mixed = jnp.einsum(_MIX, w.astype(v_j.dtype), v_j, preferred_element_type=_F(plan))
+        c = jnp.sum(w, axis=-1)
+    if da.v is not None:
+        dv_j = lax.dynamic_slice_in_dim(da.v, j * bk, bk, axis=2)
+        mixed = mixed + jnp.einsum(_MIX, p.astype(dv_j.dtype), dv_j, preferred_element_type=_F(plan))
+    return mixed, c
+
+
+def _tangent_rows(plan: Plan, a: Arrays, da: Arrays, v_clean, block):
+    """One query block's `(d out, d lse)`; the key loop has the static band length and
+    skips blocks outside the visible range with `lax.cond`."""
+    r, q_i, dq_i, out_i, lse_i = block
+    g, i0 = _row_origin(plan, r)
+    lo, hi = _key_blocks(plan, a, i0)
+    num_k_blocks = plan.s_pad // plan.k_block
+    start = jnp.clip(lo, 0, num_k_blocks - plan.band)
+
+    @jax.checkpoint  # recompute the block in the backward pass: O(block) residuals
+    def step(carry, t):
+        j = start + t
+        contribution = lambda: _tangent_block(plan, a, da, v_clean, q_i, dq_i, lse_i, g, i0, j)
+        zeros = lambda: jax.tree.map(jnp.zeros_like, jax.eval_shape(contribution))
+        mixed, c = lax.cond((j >= lo) & (j < hi), contribution, zeros)
+        return (carry[0] + mixed, carry[1] + c), None
+
+    init = (jnp.zeros(out_i.shape, _F(plan)), jnp.zeros(lse_i.shape, _F(plan)))
+    (mixed, c), _ = lax.scan(step, init, jnp.arange(plan.band))
+    return mixed - c[..., None] * out_i, c
+
+
+def _tangent(plan: Plan, a: Arrays, da: Arrays, out, lse):
+    """`(d out (B, K, R, Dv), d lse (B, K, R))`, linear in the tangents `da`."""
+    v_clean, _ = _clean_values(plan, a)
+    dq_blocks = None if da.q is None else _blocks(da.q, plan, 2)
+    xs = (jnp.arange(plan.num_row_blocks), _blocks(a.q, plan, 2), dq_blocks,
+          _blocks(out, plan, 2), _blocks(lse, plan, 2))
+    body = functools.partial(_tangent_rows, plan, a, da, v_clean)
+    d_out, d_lse = lax.map(body, xs)
+    return _unblock(d_out, 3), _unblock(d_lse, 3)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def flash_attention(plan: Plan, a: Arrays):
+    """`(out (B, K, R, Dv) float32, lse (B, K, R) float32)` for the engine layout."""
+    return _forward(plan, a)
+
+
+@functools.partial(flash_attention.defjvp, symbolic_zeros=True)
+def _flash_attention_jvp(plan, primals, tangents):
+    (a,), (da,) = primals, tangents
+    live = lambda t: None if t is None or type(t) is SymbolicZero else t
+    da = Arrays(live(da.q), live(da.k), live(da.v), live(da.bias), None, None, None)
+    out, lse = _forward(plan, a)
+    if all(t is None for t in da[:4]):
+        return (out, lse), (jnp.zeros_like(out), jnp.zeros_like(lse))
+    return (out, lse), _tangent(plan, a, da, out, lse)
+
+
+# ---------------------------------------------------------------------------------
+# From the public layout to the engine's and back.
+# ---------------------------------------------------------------------------------
+
+
+def _pad(x: jax.Array, axis: int, size: int, value) -> jax.Array:
+    """Pads `axis` at the end up to `size` (size-1 axes are broadcast: left alone)."""
+    extra = size - x.shape[axis]
+    if extra <= 0 or x.shape[axis] == 1:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _pairwise(x, batch, heads, groups, n_pad, s_pad, fill):
+    """mask/bias broadcastable to `(B…, H, N, S)` -> `(B|1, K|1, G|1, Np|1, Sp|1)`."""
+    if x is None:
+        return None
+    x = x.reshape((1,) * (len(batch) + 3 - x.ndim) + x.shape)  # (B…|1, H|1, N|1, S|1)
+    lead = x.shape[: len(batch)]
+    if all(d == 1 for d in lead):
+        x = x.reshape((1,) + x.shape[len(batch):])
+    else:
+        x = jnp.broadcast_to(x, batch + x.shape[len(batch):]).reshape((-1,) + x.shape[len(batch):])
+    split = (heads // groups, groups) if x.shape[1] != 1 else (1, 1)
+    x = x.reshape(x.shape[:1] + split + x.shape[2:])  # (B|1, K|1, G|1, N|1, S|1)
+    return _pad(_pad(x, 3, n_pad, fill), 4, s_pad, fill)
+
+
+def _lengths(x, batch):
+    """int lengths broadcastable to `(B…)` -> int32 `(B|1, 1, 1, 1)`."""
+    if x is None:
+        return None
+    x = jnp.asarray(x).astype(jnp.int32)
+    if x.size == 1:
+        return x.reshape(1, 1, 1, 1)
+    return jnp.broadcast_to(x, batch).reshape(-1, 1, 1, 1)
+
+
+def run_engine(q, k, v, *, bias, mask, q_lengths, kv_lengths, is_causal, window, scale,
+               q_block: int, k_block: int):
+    """The engine on public layouts.
+
+    Args:
+      q: `(B…, H, N, D)`; k: `(B…, K, S, D)`; v: `(B…, K, S, Dv)`; batch dims broadcast.
+      bias, mask: broadcastable to `(B…, H, N, S)`, or None (validated by the caller).
+      q_lengths, kv_lengths: int broadcastable to `(B…)`, or None.
+      is_causal, window, scale: see `jax_mha.attention`.
+      q_block, k_block: block sizes, at most N and S.
+
+    Returns:
+      `(out (B…, H, N, Dv), lse (B…, H, N))` in the accumulation dtype (float32, or
+      float64 for float64 inputs); `lse` is +inf on rows with no visible key.
+    """
+    batch = tuple(jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
+    (heads, n, d), (kv_heads, s, dv) = q.shape[-3:], v.shape[-3:]
+    groups = heads // kv_heads
+    n_pad, s_pad = -(-n // q_block) * q_block, -(-s // k_block) * k_block
+    dtype = jnp.promote_types(q.dtype, jnp.float32)
+    band = key_block_band(Visibility(n, s, is_causal, window), n_pad, q_block, k_block, s_pad // k_block)
+    plan = Plan(n, s, n_pad, s_pad, groups, q_block, k_block, band, is_causal, window,
+                float(scale), jnp.dtype(dtype).name)
+    flat = lambda x: jnp.broadcast_to(x, batch + x.shape[-3:]).reshape((-1,) + x.shape[-3:])
+    q_e = _pad(flat(q).reshape(-1, kv_heads, groups, n, d), 3, n_pad, 0)
+    q_e = q_e.reshape(q_e.shape[0], kv_heads, groups * n_pad, d)  # (B, K, G·Np, D)
+    k_e, v_e = (_pad(flat(x), 2, s_pad, 0) for x in (k, v))  # (B, K, Sp, D|Dv)
+    a = Arrays(
+        q_e, k_e, v_e,
+        _pairwise(bias, batch, heads, groups, n_pad, s_pad, 0),
+        _pairwise(mask, batch, heads, groups, n_pad, s_pad, False),
+        _lengths(q_lengths, batch), _lengths(kv_lengths, batch),
+    )
+    out, lse = flash_attention(plan, a)
+    out = out.reshape(-1, kv_heads, groups, n_pad, dv)[..., :n, :].reshape(batch + (heads, n, dv))
+    lse = lse.reshape(-1, kv_heads, groups, n_pad)[..., :n].reshape(batch + (heads, n))
+    return out, lse

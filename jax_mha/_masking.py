@@ -1,0 +1,223 @@
+"""The one description of which (query, key) pairs may attend, and with what bias.
+
+Every attention path reads a `Visibility`: the reference builds it whole
+(`dense_allowed`), the blockwise engine evaluates it one `(rows, keys)` block at a
+time (`block_allowed`) and skips the key blocks it rules out (`key_block_range`),
+and the cuDNN path translates it to `jax.nn.dot_product_attention`'s arguments.
+
+Query `i` sits at key position `i + offset` with `offset = S - N`: the queries are
+the last N of S positions (bottom-right alignment, as `causal_mask` and decoding with
+a cache; `jax.nn` aligns top-left, which is the same when N == S). Then key `j` is
+visible to query `i` iff all of:
+
+* `j <= i + offset`                              (is_causal)
+* `i + offset - left <= j <= i + offset + right`  (local_window_size, a side None = unbounded)
+* `i < q_lengths[b]` and `j < kv_lengths[b]`      (per-sequence lengths)
+* `mask[..., i, j]`                               (explicit boolean mask)
+
+A query row beyond its `q_lengths` is padding: its output is zero whatever the
+`empty_rows` policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Window(NamedTuple):
+    """`local_window_size` in canonical form: a side of None is unbounded."""
+
+    left: int | None
+    right: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Visibility:
+    """Which pairs may attend. Static parts are Python values; arrays are traced.
+
+    Attributes:
+      n, s: query and key lengths N and S.
+      is_causal: the causal pattern (bottom-right aligned).
+      window: a `Window`, or None for no window.
+      mask: bool, broadcastable to the scores; True = may attend. Its layout is the
+        caller's (the engine keeps `(B|1, K|1, G|1, N|1, S|1)`).
+      q_lengths, kv_lengths: int32, broadcastable to the scores' batch axes (with
+        size-1 trailing axes so that they broadcast like `mask`).
+    """
+
+    n: int
+    s: int
+    is_causal: bool = False
+    window: Window | None = None
+    mask: jax.Array | None = None
+    q_lengths: jax.Array | None = None
+    kv_lengths: jax.Array | None = None
+
+    @property
+    def offset(self) -> int:
+        """Key position of query 0: S - N (queries are the last N positions)."""
+        return self.s - self.n
+
+    @property
+    def has_pattern(self) -> bool:
+        """True when causality or a window restricts the pairs by position."""
+        return self.is_causal or self.window is not None
+
+    @property
+    def restricts(self) -> bool:
+        """False when every pair may attend (nothing to evaluate)."""
+        return (
+            self.has_pattern or self.mask is not None
+            or self.q_lengths is not None or self.kv_lengths is not None
+        )
+
+
+def positional(vis: Visibility, rows: jax.Array, cols: jax.Array) -> jax.Array | None:
+    """Causal and window constraints for query positions `rows` and key positions
+    `cols` (broadcasting int arrays, e.g. `(bq, 1)` and `(1, bk)`), or None."""
+    diagonal = rows + vis.offset  # the key position of each query
+    ok = None
+
+    def both(a, b):
+        return b if a is None else a & b
+
+    if vis.is_causal:
+        ok = both(ok, cols <= diagonal)
+    if vis.window is not None:
+        if vis.window.left is not None:
+            ok = both(ok, cols >= diagonal - vis.window.left)
+        if vis.window.right is not None:
+            ok = both(ok, cols <= diagonal + vis.window.right)
+    return ok
+
+
+def block_allowed(
+    vis: Visibility, rows: jax.Array, cols: jax.Array, mask_block: jax.Array | None, rank: int
+) -> jax.Array | None:
+    """Bool for one block of scores, or None when every pair in it may attend.
+
+    Args:
+      vis: the description.
+      rows: int `(bq, 1)`, query positions of the block.
+      cols: int `(1, bk)`, key positions of the block.
+      mask_block: the explicit mask already sliced to this block (rank `rank`), or None.
+      rank: rank of the score block, e.g. 4 for `(B, K, bq, bk)`.
+
+    Returns:
+      bool broadcastable to the score block, True = may attend.
+    """
+    lift = lambda x: jax.lax.broadcast_to_rank(x, rank)  # explicit ranks (rank promotion raises)
+    parts = []
+    pattern = positional(vis, rows, cols)
+    if pattern is not None:
+        parts.append(lift(pattern))
+    if vis.q_lengths is not None:
+        parts.append(lift(rows) < vis.q_lengths)
+    if vis.kv_lengths is not None:
+        parts.append(lift(cols) < vis.kv_lengths)
+    if mask_block is not None:
+        parts.append(lift(mask_block))
+    if not parts:
+        return None
+    out = parts[0]
+    for p in parts[1:]:
+        out = out & p
+    return out
+
+
+def dense_allowed(vis: Visibility, rank: int) -> jax.Array | None:
+    """The whole `(…, N, S)` boolean pattern (for the reference path), or None."""
+    rows = jnp.arange(vis.n)[:, None]
+    cols = jnp.arange(vis.s)[None, :]
+    return block_allowed(vis, rows, cols, vis.mask, rank)
+
+
+def key_range(vis: Visibility, first_row, last_row, s: int):
+    """Key positions `[lo, hi)` that queries `first_row … last_row` can see by
+    causality and window (lengths and masks are not consulted). Python ints in give
+    Python ints out; traced ints give traced ints, clipped to `[0, s]`."""
+    lo, hi = 0, s
+    if vis.window is not None and vis.window.left is not None:
+        lo = first_row + vis.offset - vis.window.left
+    reach = []
+    if vis.is_causal:
+        reach.append(0)
+    if vis.window is not None and vis.window.right is not None:
+        reach.append(vis.window.right)
+    if reach:
+        hi = last_row + vis.offset + min(reach) + 1
+    if isinstance(lo, int) and isinstance(hi, int):
+        return min(max(lo, 0), s), min(max(hi, 0), s)
+    return jnp.clip(lo, 0, s), jnp.clip(hi, 0, s)
+
+
+def key_block_band(vis: Visibility, n_pad: int, q_block: int, k_block: int, num_k_blocks: int) -> int:
+    """The most key blocks any query block can see: the static length of the loop
+    over key blocks (a causal or windowed query block sees fewer than all)."""
+    if not vis.has_pattern:
+        return num_k_blocks
+    band = 0
+    for first in range(0, n_pad, q_block):
+        lo, hi = key_range(vis, first, first + q_block - 1, num_k_blocks * k_block)
+        if hi > lo:
+            band = max(band, (hi - 1) // k_block - lo // k_block + 1)
+    return max(band, 1)
+
+
+def canonical_window(local_window_size) -> Window | None:
+    """`None`, an int `w` (= `(w, w)`) or a pair of ints/None -> `Window` or None.
+
+    Raises:
+      TypeError, ValueError: naming the value, for anything else or a negative side.
+    """
+    if local_window_size is None:
+        return None
+    if isinstance(local_window_size, (int,)) and not isinstance(local_window_size, bool):
+        local_window_size = (local_window_size, local_window_size)
+    if not isinstance(local_window_size, (tuple, list)) or len(local_window_size) != 2:
+        raise TypeError(
+            f"local_window_size must be None, an int or a (left, right) pair of ints or None, "
+            f"got {local_window_size!r}"
+        )
+    sides = []
+    for name, side in zip(("left", "right"), local_window_size):
+        if side is not None:
+            if isinstance(side, bool) or not isinstance(side, (int,)) and not hasattr(side, "__index__"):
+                raise TypeError(f"local_window_size {name} side must be an int or None, got {side!r}")
+            side = int(side.__index__())
+            if side < 0:
+                raise ValueError(f"local_window_size {name} side must be >= 0, got {side}")
+        sides.append(side)
+    return Window(*sides)
+
+
+def lengths_at_rank(lengths, batch_rank: int):
+    """int lengths broadcastable to `(B…)` (rank <= batch_rank) -> int32 of rank
+    `batch_rank + 3`, broadcasting against `(B…, H, N, S)` scores; None stays None."""
+    if lengths is None:
+        return None
+    lengths = jnp.asarray(lengths).astype(jnp.int32)
+    return lengths.reshape((1,) * (batch_rank - lengths.ndim) + lengths.shape + (1, 1, 1))
+
+
+def fits(shape, target) -> bool:
+    """Whether `shape` broadcasts to exactly `target`."""
+    try:
+        return tuple(jnp.broadcast_shapes(tuple(shape), tuple(target))) == tuple(target)
+    except ValueError:
+        return False
+
+
+def num_blocks(length: int, block: int) -> int:
+    """ceil(length / block)."""
+    return -(-length // block) if length else 0
+
+
+__all__ = [
+    "Visibility", "Window", "block_allowed", "canonical_window", "dense_allowed", "fits",
+    "key_block_band", "key_range", "lengths_at_rank", "num_blocks", "positional",
+]

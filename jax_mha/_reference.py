@@ -1,0 +1,70 @@
+"""The plain attention every other path is tested against: one screen, no tuning.
+
+scores -> mask -> float32 softmax -> zeros for empty rows -> weights · v. The math runs
+in float32 whatever the input dtype (float64 stays float64), so gradients cannot
+overflow in float16. It is also the path that returns the weights (and drops them out).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def reference_weights(q, k, allowed=None, bias=None, *, scale: float):
+    """Softmax weights with the whole `(B…, H, N, S)` built.
+
+    Args:
+      q: `(B…, H, N, D)`; k: `(B…, K, S, D)`; query head h reads key head `h // (H // K)`.
+      allowed: bool broadcastable to `(B…, H, N, S)` (True = may attend), or None.
+      bias: float broadcastable to `(B…, H, N, S)`, added to the scaled logits.
+      scale: multiplies q·k in the compute dtype, after the matmul (as jax.nn: more
+        accurate in bfloat16 than scaling q first).
+
+    Returns:
+      `(weights (B…, H, N, S), empty (B…, H, N))`; weights in float32 (float64 for
+      float64 inputs). `empty` marks rows with no key left (all masked, or every
+      logit -inf); their weights are 0.
+    """
+    dtype = jnp.promote_types(q.dtype, jnp.float32)
+    k = jnp.repeat(k, q.shape[-3] // k.shape[-3], axis=-3)  # (B…, H, S, D)
+    logits = jnp.einsum("...hnd,...hsd->...hns", q.astype(dtype), k.astype(dtype))
+    logits = logits * jnp.asarray(scale, dtype)
+    if bias is not None:
+        logits = logits + bias.astype(dtype)
+    ok = logits != -jnp.inf  # a -inf bias masks a key, as PyTorch users write masks
+    if allowed is not None:
+        ok = ok & allowed
+    empty = ~jnp.any(ok, axis=-1)
+    masked = jnp.where(ok, logits, -jnp.inf)  # select, so a NaN where masked stays out
+    row_max = jax.lax.stop_gradient(jnp.max(masked, axis=-1, keepdims=True))
+    exp = jnp.exp(masked - jnp.where(empty[..., None], 0.0, row_max))
+    weights = jnp.where(empty[..., None], 0.0, exp / jnp.sum(exp, axis=-1, keepdims=True))
+    return weights, empty
+
+
+def mix_values(weights, v, allowed=None):
+    """`weights · v` with non-finite values kept to the rows that may see them.
+
+    Args:
+      weights: `(B…, H, N, S)`; v: `(B…, K, S, Dv)`; allowed as in `reference_weights`.
+
+    Returns:
+      `(B…, H, N, Dv)` in the weights' dtype. A row that may attend to a key whose
+      value is not finite is NaN; for every other row such values are selected away
+      before the matmul (a product with a zero weight would still give NaN).
+    """
+    v = jnp.repeat(v, weights.shape[-3] // v.shape[-3], axis=-3).astype(weights.dtype)
+    bad = ~jnp.all(jnp.isfinite(v), axis=-1)  # (B…, H, S)
+    sees = bad[..., None, :] if allowed is None else allowed & bad[..., None, :]
+    touched = jnp.any(jnp.broadcast_to(sees, weights.shape), axis=-1, keepdims=True)
+    out = jnp.einsum("...hns,...hsd->...hnd", weights, jnp.where(bad[..., None], 0.0, v))
+    return jnp.where(touched, jnp.nan, out)
+
+
+def reference_attention(q, k, v, allowed=None, bias=None, *, scale: float):
+    """`(out (B…, H, N, Dv), weights, empty)`: `reference_weights` then `mix_values`;
+    empty rows output 0."""
+    weights, empty = reference_weights(q, k, allowed, bias, scale=scale)
+    out = jnp.where(empty[..., None], 0.0, mix_values(weights, v, allowed))
+    return out, weights, empty
