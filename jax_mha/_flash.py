@@ -144,8 +144,27 @@ def _bad_values(v: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------------------------
 
 
+def _key_loop(plan: Plan, a: Arrays, i0, body, init, remat: bool = False):
+    """Runs `body(j, carry) -> carry` over the key blocks query rows `i0…` can see.
+
+    A scan of the static length `plan.band` starting at the first visible block,
+    each step under `lax.cond`, so blocks that causality or the window rule out cost
+    nothing, and the loop stays differentiable in every mode (a `fori_loop` with
+    traced bounds is not reverse-differentiable). `remat` rematerialises each step
+    in the backward pass (`jax.checkpoint`), so its residuals are O(block).
+    """
+    lo, hi = _key_blocks(plan, a, i0)
+    start = jnp.clip(lo, 0, plan.s_pad // plan.k_block - plan.band)
+
+    def step(carry, t):
+        j = start + t
+        return lax.cond((j >= lo) & (j < hi), lambda c: body(j, c), lambda c: c, carry), None
+
+    return lax.scan(jax.checkpoint(step) if remat else step, init, jnp.arange(plan.band))[0]
+
+
 def _forward_rows(plan: Plan, a: Arrays, v_clean, bad, r):
-    """One query block: `(out (B, K, bq, Dv) f32, lse (B, K, bq) f32)`."""
+    """One query block: `(out (B, K, bq, Dv), lse (B, K, bq))` in the accumulation dtype."""
     g, i0 = _row_origin(plan, r)
     q_i = lax.dynamic_slice_in_dim(a.q, r * plan.q_block, plan.q_block, axis=2)
     bk = plan.k_block
@@ -171,8 +190,7 @@ def _forward_rows(plan: Plan, a: Arrays, v_clean, bad, r):
         jnp.full(rows, -jnp.inf, _F(plan)), jnp.zeros(rows, _F(plan)),
         jnp.zeros(rows + (a.v.shape[-1],), _F(plan)), jnp.zeros(rows, bool),
     )
-    lo, hi = _key_blocks(plan, a, i0)
-    m, l, acc, touched = lax.fori_loop(lo, hi, key_block, init)
+    m, l, acc, touched = _key_loop(plan, a, i0, key_block, init)
     empty = m == -jnp.inf
     out = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, l)[..., None])
     out = jnp.where((touched & ~empty)[..., None], jnp.nan, out)
@@ -248,24 +266,17 @@ def _tangent_block(plan: Plan, a: Arrays, da: Arrays, v_clean, q_i, dq_i, lse_i,
 
 
 def _tangent_rows(plan: Plan, a: Arrays, da: Arrays, v_clean, block):
-    """One query block's `(d out, d lse)`; the key loop has the static band length and
-    skips blocks outside the visible range with `lax.cond`."""
+    """One query block's `(d out, d lse)`; each key block is rematerialised in the
+    backward pass, so its residuals are O(block), not O(N·S)."""
     r, q_i, dq_i, out_i, lse_i = block
     g, i0 = _row_origin(plan, r)
-    lo, hi = _key_blocks(plan, a, i0)
-    num_k_blocks = plan.s_pad // plan.k_block
-    start = jnp.clip(lo, 0, num_k_blocks - plan.band)
 
-    @jax.checkpoint  # recompute the block in the backward pass: O(block) residuals
-    def step(carry, t):
-        j = start + t
-        contribution = lambda: _tangent_block(plan, a, da, v_clean, q_i, dq_i, lse_i, g, i0, j)
-        zeros = lambda: jax.tree.map(jnp.zeros_like, jax.eval_shape(contribution))
-        mixed, c = lax.cond((j >= lo) & (j < hi), contribution, zeros)
-        return (carry[0] + mixed, carry[1] + c), None
+    def key_block(j, carry):
+        mixed, c = _tangent_block(plan, a, da, v_clean, q_i, dq_i, lse_i, g, i0, j)
+        return carry[0] + mixed, carry[1] + c
 
     init = (jnp.zeros(out_i.shape, _F(plan)), jnp.zeros(lse_i.shape, _F(plan)))
-    (mixed, c), _ = lax.scan(step, init, jnp.arange(plan.band))
+    mixed, c = _key_loop(plan, a, i0, key_block, init, remat=True)
     return mixed - c[..., None] * out_i, c
 
 
