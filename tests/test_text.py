@@ -1,0 +1,193 @@
+"""The character corpus: topic split, vocabulary, random and validation batches, files, bpc."""
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from pydoc_data.topics import topics
+
+from jax_mha.text import (
+    TextTaskConfig,
+    bits_per_character,
+    corpus_from_file,
+    corpus_from_text,
+    load_corpus,
+    make_text_batch,
+    reference_corpus,
+    split_topics,
+    validation_batches,
+)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return reference_corpus(TextTaskConfig())
+
+
+def test_reference_split_is_by_topic_deterministic_and_disjoint(corpus):
+    again = reference_corpus(TextTaskConfig())
+    np.testing.assert_array_equal(corpus.train, again.train)
+    np.testing.assert_array_equal(corpus.validation, again.validation)
+    held = list(corpus.validation_topics)
+    rest = sorted(set(topics) - set(held))
+    assert held and not set(held) & set(rest) and len(held) + len(rest) == len(topics)
+    # Rebuilt independently from pydoc_data: each split is exactly its topics' text.
+    assert corpus.decode(corpus.validation) == "\n".join(topics[n] for n in sorted(held))
+    assert corpus.decode(corpus.train) == "\n".join(topics[n] for n in rest)
+    share = sum(len(topics[n]) for n in held) / sum(len(t) for t in topics.values())
+    assert 0.09 < share <= 0.1
+    assert corpus.vocabulary == "".join(sorted(set("".join(topics.values()))))
+    assert corpus.source.startswith("pydoc_data.topics (Python 3.")
+
+
+def test_split_topics_respects_the_fraction():
+    docs = {f"doc{i}": "x" * (7 * i + 3) for i in range(13)}
+    train, held = split_topics(docs, 0.3)
+    assert split_topics(docs, 0.3) == (train, held)
+    assert sorted(train + held) == sorted(docs) and not set(train) & set(held)
+    assert 0 < sum(len(docs[n]) for n in held) <= 0.3 * sum(len(d) for d in docs.values())
+
+
+def test_vocabulary_round_trip_and_errors(corpus):
+    text = 'The "if" statement — “quoted”, 3.14 + x**2…\n'
+    ids = corpus.encode(text)
+    assert ids.dtype == np.int32 and ids.shape == (len(text),)
+    assert corpus.decode(ids) == text
+    with pytest.raises(ValueError, match="'€'"):
+        corpus.encode("price: 5 €")
+    with pytest.raises(ValueError, match="id 103 is outside"):
+        corpus.decode(np.array([0, corpus.vocab_size]))
+
+
+def test_random_batch_layout_and_windows(corpus):
+    cfg = TextTaskConfig(seq_len=11)
+    batch = make_text_batch(jax.random.key(3), corpus.train, cfg, 7)
+    for name, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("scored", jnp.bool_)):
+        chex.assert_shape(batch[name], (7, 11))
+        assert batch[name].dtype == dtype
+    inputs, targets = np.asarray(batch["inputs"]), np.asarray(batch["targets"])
+    np.testing.assert_array_equal(inputs[:, 1:], targets[:, :-1])
+    assert np.asarray(batch["scored"]).all()
+    assert inputs.min() >= 0 and targets.max() < corpus.vocab_size
+    train_text = corpus.decode(corpus.train)
+    for row_in, row_t in zip(inputs, targets):
+        assert corpus.decode(np.concatenate([row_in, row_t[-1:]])) in train_text  # a real window
+
+
+def test_random_batch_determinism_jit_and_edges():
+    cfg = TextTaskConfig(seq_len=5)
+    tokens = jnp.arange(8, dtype=jnp.int32)  # T + 3 characters: starts 0, 1, 2
+    sample = jax.jit(make_text_batch, static_argnums=(2, 3))
+    a = sample(jax.random.key(0), tokens, cfg, 97)
+    chex.assert_trees_all_equal(a, make_text_batch(jax.random.key(0), tokens, cfg, 97))
+    assert not np.array_equal(a["inputs"], sample(jax.random.key(1), tokens, cfg, 97)["inputs"])
+    starts = np.asarray(a["inputs"][:, 0])
+    assert set(starts.tolist()) == {0, 1, 2}  # the last window ends on the last character
+    np.testing.assert_array_equal(a["targets"], starts[:, None] + 1 + np.arange(5))  # no clipping
+
+
+def test_validation_batches_score_every_character_once():
+    n, cfg = 53, TextTaskConfig(seq_len=7)
+    tokens = np.arange(n, dtype=np.int32)  # ids are positions: a target names what it scores
+    batches = validation_batches(tokens, cfg, 3)
+    num_windows = math.ceil((n - 1) / 7)  # 8 windows, the last end-aligned
+    for name in ("inputs", "targets", "scored"):
+        chex.assert_shape(batches[name], (math.ceil(num_windows / 3), 3, 7))
+    np.testing.assert_array_equal(batches["inputs"][..., 1:], batches["targets"][..., :-1])
+    np.testing.assert_array_equal(batches["targets"], batches["inputs"] + 1)  # windows of real text
+    scored = np.sort(np.asarray(batches["targets"])[np.asarray(batches["scored"])])
+    np.testing.assert_array_equal(scored, np.arange(1, n))
+    np.testing.assert_array_equal(batches["scored"].sum((1, 2)), [21, 21, 10])
+    exact = validation_batches(np.arange(15, dtype=np.int32), cfg, 2)  # 14 targets = 2 full windows
+    assert exact["scored"].shape == (1, 2, 7) and bool(exact["scored"].all())
+    one_over = validation_batches(np.arange(16, dtype=np.int32), cfg, 2)  # 15 targets: a third window
+    np.testing.assert_array_equal(np.sort(one_over["targets"][one_over["scored"]]), np.arange(1, 16))
+
+
+def test_bits_per_character():
+    assert float(bits_per_character(math.log(2))) == pytest.approx(1.0)
+    losses, counts = np.array([1.0, 2.0, 4.0]), np.array([10, 10, 5])
+    expected = (10 * 1.0 + 10 * 2.0 + 5 * 4.0) / 25 / math.log(2)
+    assert float(bits_per_character(losses, num_scored=counts)) == pytest.approx(expected, rel=1e-6)
+    assert float(jax.jit(bits_per_character)(jnp.float32(math.log(4)))) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="loss_nats=\\[-1.0\\]"):
+        bits_per_character([-1.0])
+    with pytest.raises(ValueError, match="loss_nats=nan"):
+        bits_per_character(float("nan"))
+    with pytest.raises(ValueError, match="num_scored=\\[0.0, 0.0\\]"):
+        bits_per_character([1.0, 1.0], num_scored=[0, 0])
+
+
+def test_file_corpus(tmp_path):
+    text = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\r\n" for i in range(31))
+    path = tmp_path / "own.txt"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))  # with a BOM and CRLF line ends
+    cfg = TextTaskConfig(seq_len=13, validation_fraction=0.2, text_file=str(path))
+    corpus = load_corpus(cfg)
+    clean = text.replace("\r\n", "\n")
+    train, held = corpus.decode(corpus.train), corpus.decode(corpus.validation)
+    assert train + held == clean and len(held) == round(0.2 * len(clean))
+    assert corpus.vocabulary == "".join(sorted(set(clean))) and str(path) in corpus.source
+    batch = make_text_batch(jax.random.key(0), corpus.train, cfg, 5)
+    assert int(batch["targets"].max()) < corpus.vocab_size
+    same = corpus_from_text(clean, cfg)
+    np.testing.assert_array_equal(same.validation, corpus.validation)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "does not exist"),
+        ("dir", "is a directory"),
+        (b"", "is empty"),
+        (b"abc\xff\xfe", "is not UTF-8: byte 3 is 0xff"),
+        (b"0123456789" * 3, "too short: its splits have 27 training and 3 validation characters"),
+    ],
+)
+def test_file_errors_name_the_file(tmp_path, content, message):
+    path = tmp_path / "text.txt"
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ValueError, match=message) as err:
+        corpus_from_file(path, TextTaskConfig(seq_len=5))
+    assert "text.txt" in str(err.value)
+
+
+def test_reference_too_short_for_a_huge_window():
+    with pytest.raises(ValueError, match="seq_len \\+ 1 = 100001"):
+        reference_corpus(TextTaskConfig(seq_len=100_000))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"seq_len": 0}, ValueError, "seq_len=0"),
+        ({"seq_len": 2.5}, TypeError, "seq_len must be an int, got 2.5"),
+        ({"validation_fraction": 0.0}, ValueError, "validation_fraction=0.0"),
+        ({"validation_fraction": 1.0}, ValueError, "validation_fraction=1.0"),
+        ({"text_file": ""}, ValueError, "text_file=''"),
+    ],
+)
+def test_config_errors(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        TextTaskConfig(**kwargs)
+
+
+def test_batch_errors():
+    cfg = TextTaskConfig(seq_len=7)
+    key = jax.random.key(0)
+    with pytest.raises(ValueError, match="has 7 characters, fewer than seq_len \\+ 1 = 8"):
+        make_text_batch(key, jnp.arange(7), cfg, 2)
+    with pytest.raises(ValueError, match="shape \\(2, 9\\)"):
+        make_text_batch(key, jnp.zeros((2, 9), jnp.int32), cfg, 2)
+    with pytest.raises(ValueError, match="dtype float32"):
+        validation_batches(np.zeros(20, np.float32), cfg, 2)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        make_text_batch(key, jnp.arange(20), cfg, 0)
+    with pytest.raises(TypeError, match="text must be a str, got bytes"):
+        corpus_from_text(b"abc")
