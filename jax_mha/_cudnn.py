@@ -33,9 +33,10 @@ def cudnn_problem(q, k, v, dropout: bool, return_weights: bool) -> str | None:
     return None
 
 
-def cudnn_attention(q, k, v, *, bias, mask, q_lengths, kv_lengths, is_causal, window, scale):
-    """Returns `(out (B…, H, N, D), empty (B…, H, N))`; `empty` marks rows with no
-    visible key (evaluated from the description, fused by XLA, never stored)."""
+def cudnn_attention(q, k, v, *, bias, mask, q_lengths, kv_lengths, is_causal, window, scale, bad_kv):
+    """Returns `(out (B…, H, N, D), empty (B…, H, N), touched (B…, H, N))`: `empty`
+    marks rows with no visible key, `touched` rows that may see a `bad_kv` key (both
+    evaluated from the description, fused by XLA, never stored)."""
     *batch, h, n, d = q.shape
     s = k.shape[-2]
     vis = Visibility(n, s, is_causal, window, mask)
@@ -57,10 +58,10 @@ def cudnn_attention(q, k, v, *, bias, mask, q_lengths, kv_lengths, is_causal, wi
     out = jnp.swapaxes(out, -3, -2).reshape(*batch, h, n, d)
     full_vis = Visibility(n, s, is_causal, window, mask if not native else vis.mask,
                           lengths_at_rank(q_lengths, len(batch)), lengths_at_rank(kv_lengths, len(batch)))
-    allowed = dense_allowed(full_vis, len(batch) + 3)
-    empty = jnp.zeros((*batch, h, n), bool) if allowed is None else ~jnp.any(
-        jnp.broadcast_to(allowed, (*batch, h, n, s)), axis=-1)
-    return out, empty
+    allowed = jnp.broadcast_to(
+        True if (allowed := dense_allowed(full_vis, len(batch) + 3)) is None else allowed, (*batch, h, n, s))
+    sees_bad = jnp.repeat(bad_kv, h // k.shape[-3], axis=-2)[..., None, :]  # (B…, H, 1, S)
+    return out, ~jnp.any(allowed, axis=-1), jnp.any(allowed & sees_bad, axis=-1)
 
 
 __all__ = ["Window", "cudnn_attention", "cudnn_problem"]

@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
@@ -71,7 +72,7 @@ class Plan(NamedTuple):
 
 
 class Arrays(NamedTuple):
-    """The engine's array inputs (bias is differentiable; mask and lengths are not)."""
+    """The engine's array inputs (q, k, v finite; bias differentiable; the rest not)."""
 
     q: jax.Array
     k: jax.Array
@@ -80,6 +81,7 @@ class Arrays(NamedTuple):
     mask: jax.Array | None
     q_len: jax.Array | None
     kv_len: jax.Array | None
+    bad_kv: jax.Array | None  # bool (B, K, Sp): keys whose key or value had a non-finite entry
 
 
 def _visibility(plan: Plan, a: Arrays) -> Visibility:
@@ -134,11 +136,6 @@ def _F(plan: Plan):
     return jnp.dtype(plan.dtype)
 
 
-def _bad_values(v: jax.Array) -> jax.Array:
-    """bool `(B, K, Sp)`: keys whose value vector is not all finite."""
-    return ~jnp.all(jnp.isfinite(v), axis=-1)
-
-
 # ---------------------------------------------------------------------------------
 # Forward.
 # ---------------------------------------------------------------------------------
@@ -163,8 +160,9 @@ def _key_loop(plan: Plan, a: Arrays, i0, body, init, remat: bool = False):
     return lax.scan(jax.checkpoint(step) if remat else step, init, jnp.arange(plan.band))[0]
 
 
-def _forward_rows(plan: Plan, a: Arrays, v_clean, bad, r):
-    """One query block: `(out (B, K, bq, Dv), lse (B, K, bq))` in the accumulation dtype."""
+def _forward_rows(plan: Plan, a: Arrays, r):
+    """One query block: `(out (B, K, bq, Dv), lse (B, K, bq), touched (B, K, bq))`,
+    `touched` marking rows that may see a key in `a.bad_kv`."""
     g, i0 = _row_origin(plan, r)
     q_i = lax.dynamic_slice_in_dim(a.q, r * plan.q_block, plan.q_block, axis=2)
     bk = plan.k_block
@@ -172,15 +170,15 @@ def _forward_rows(plan: Plan, a: Arrays, v_clean, bad, r):
     def key_block(j, carry):
         m, l, acc, touched = carry
         k_j = lax.dynamic_slice_in_dim(a.k, j * bk, bk, axis=2)
-        v_j = lax.dynamic_slice_in_dim(v_clean, j * bk, bk, axis=2)
+        v_j = lax.dynamic_slice_in_dim(a.v, j * bk, bk, axis=2)
         s, allowed = _scores(plan, a, q_i, k_j, g, i0, j * bk)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no -inf - -inf
         p = jnp.exp(s - m_safe[..., None])
         correction = jnp.exp(m - m_safe)
         pv = jnp.einsum(_MIX, p.astype(v_j.dtype), v_j, preferred_element_type=_F(plan))
-        if bad is not None:
-            bad_j = lax.dynamic_slice_in_dim(bad, j * bk, bk, axis=2)[:, :, None, :]
+        if a.bad_kv is not None:
+            bad_j = lax.dynamic_slice_in_dim(a.bad_kv, j * bk, bk, axis=2)[:, :, None, :]
             seen = bad_j if allowed is None else allowed & bad_j
             touched = touched | jnp.any(seen, axis=-1)
         return m_new, l * correction + jnp.sum(p, -1), acc * correction[..., None] + pv, touched
@@ -193,27 +191,13 @@ def _forward_rows(plan: Plan, a: Arrays, v_clean, bad, r):
     m, l, acc, touched = _key_loop(plan, a, i0, key_block, init)
     empty = m == -jnp.inf
     out = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, l)[..., None])
-    out = jnp.where((touched & ~empty)[..., None], jnp.nan, out)
-    return out, jnp.where(empty, jnp.inf, m + jnp.log(l))
-
-
-def _clean_values(plan: Plan, a: Arrays):
-    """Values with non-finite entries zeroed, and which keys had them (or None when
-    every row sees every key, so the plain product already propagates them)."""
-    everything_visible = _visibility(plan, a).restricts is False and plan.s_pad == plan.s
-    if everything_visible:
-        return a.v, None
-    bad = _bad_values(a.v)
-    return jnp.where(bad[..., None], jnp.zeros((), a.v.dtype), a.v), bad
+    return out, jnp.where(empty, jnp.inf, m + jnp.log(l)), touched
 
 
 def _forward(plan: Plan, a: Arrays):
-    """`(out (B, K, R, Dv) float32, lse (B, K, R) float32)`."""
-    v_clean, bad = _clean_values(plan, a)
-    out, lse = lax.map(
-        functools.partial(_forward_rows, plan, a, v_clean, bad), jnp.arange(plan.num_row_blocks)
-    )  # (nr, B, K, bq, Dv), (nr, B, K, bq)
-    return _unblock(out, 3), _unblock(lse, 3)
+    """`(out (B, K, R, Dv), lse (B, K, R), touched (B, K, R))`."""
+    out, lse, touched = lax.map(functools.partial(_forward_rows, plan, a), jnp.arange(plan.num_row_blocks))
+    return _unblock(out, 3), _unblock(lse, 3), _unblock(touched, 3)
 
 
 def _unblock(x: jax.Array, row_axis: int) -> jax.Array:
@@ -233,7 +217,7 @@ def _blocks(x: jax.Array, plan: Plan, row_axis: int) -> jax.Array:
 # ---------------------------------------------------------------------------------
 
 
-def _tangent_block(plan: Plan, a: Arrays, da: Arrays, v_clean, q_i, dq_i, lse_i, g, i0, j):
+def _tangent_block(plan: Plan, a: Arrays, da: Arrays, q_i, dq_i, lse_i, g, i0, j):
     """Contribution of key block `j` to one query block: `(A v + P dv, rowsum(A))`."""
     bk = plan.k_block
     k_j = lax.dynamic_slice_in_dim(a.k, j * bk, bk, axis=2)
@@ -253,26 +237,28 @@ def _tangent_block(plan: Plan, a: Arrays, da: Arrays, v_clean, q_i, dq_i, lse_i,
     rows = q_i.shape[:3]
     mixed = jnp.zeros(rows + (a.v.shape[-1],), _F(plan))
     c = jnp.zeros(rows, _F(plan))
+    # The tangents and every product with them are in the accumulation dtype: their
+    # transposes (the gradients) then never round to bfloat16 or overflow float16
+    # between blocks; only the final gradient is cast to the input dtype.
     if ds is not None:
         prod = p * ds
         w = prod if allowed is None else jnp.where(allowed, prod, 0.0)  # select, never 0·NaN
-        v_j = lax.dynamic_slice_in_dim(v_clean, j * bk, bk, axis=2)
-        mixed = jnp.einsum(_MIX, w.astype(v_j.dtype), v_j, preferred_element_type=_F(plan))
+        v_j = lax.dynamic_slice_in_dim(a.v, j * bk, bk, axis=2).astype(_F(plan))
+        mixed = jnp.einsum(_MIX, w, v_j)
         c = jnp.sum(w, axis=-1)
     if da.v is not None:
-        dv_j = lax.dynamic_slice_in_dim(da.v, j * bk, bk, axis=2)
-        mixed = mixed + jnp.einsum(_MIX, p.astype(dv_j.dtype), dv_j, preferred_element_type=_F(plan))
+        mixed = mixed + jnp.einsum(_MIX, p, lax.dynamic_slice_in_dim(da.v, j * bk, bk, axis=2))
     return mixed, c
 
 
-def _tangent_rows(plan: Plan, a: Arrays, da: Arrays, v_clean, block):
+def _tangent_rows(plan: Plan, a: Arrays, da: Arrays, block):
     """One query block's `(d out, d lse)`; each key block is rematerialised in the
     backward pass, so its residuals are O(block), not O(N·S)."""
     r, q_i, dq_i, out_i, lse_i = block
     g, i0 = _row_origin(plan, r)
 
     def key_block(j, carry):
-        mixed, c = _tangent_block(plan, a, da, v_clean, q_i, dq_i, lse_i, g, i0, j)
+        mixed, c = _tangent_block(plan, a, da, q_i, dq_i, lse_i, g, i0, j)
         return carry[0] + mixed, carry[1] + c
 
     init = (jnp.zeros(out_i.shape, _F(plan)), jnp.zeros(lse_i.shape, _F(plan)))
@@ -282,30 +268,31 @@ def _tangent_rows(plan: Plan, a: Arrays, da: Arrays, v_clean, block):
 
 def _tangent(plan: Plan, a: Arrays, da: Arrays, out, lse):
     """`(d out (B, K, R, Dv), d lse (B, K, R))`, linear in the tangents `da`."""
-    v_clean, _ = _clean_values(plan, a)
     dq_blocks = None if da.q is None else _blocks(da.q, plan, 2)
     xs = (jnp.arange(plan.num_row_blocks), _blocks(a.q, plan, 2), dq_blocks,
           _blocks(out, plan, 2), _blocks(lse, plan, 2))
-    body = functools.partial(_tangent_rows, plan, a, da, v_clean)
+    body = functools.partial(_tangent_rows, plan, a, da)
     d_out, d_lse = lax.map(body, xs)
     return _unblock(d_out, 3), _unblock(d_lse, 3)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def flash_attention(plan: Plan, a: Arrays):
-    """`(out (B, K, R, Dv) float32, lse (B, K, R) float32)` for the engine layout."""
+    """`(out (B, K, R, Dv), lse (B, K, R), touched (B, K, R))` for the engine layout;
+    out and lse in the accumulation dtype."""
     return _forward(plan, a)
 
 
 @functools.partial(flash_attention.defjvp, symbolic_zeros=True)
 def _flash_attention_jvp(plan, primals, tangents):
     (a,), (da,) = primals, tangents
-    live = lambda t: None if t is None or type(t) is SymbolicZero else t
-    da = Arrays(live(da.q), live(da.k), live(da.v), live(da.bias), None, None, None)
-    out, lse = _forward(plan, a)
+    live = lambda t: None if t is None or type(t) is SymbolicZero else t.astype(_F(plan))
+    da = Arrays(live(da.q), live(da.k), live(da.v), live(da.bias), None, None, None, None)
+    out, lse, touched = _forward(plan, a)
+    no_tangent = np.zeros(touched.shape, jax.dtypes.float0)  # touched is boolean
     if all(t is None for t in da[:4]):
-        return (out, lse), (jnp.zeros_like(out), jnp.zeros_like(lse))
-    return (out, lse), _tangent(plan, a, da, out, lse)
+        return (out, lse, touched), (jnp.zeros_like(out), jnp.zeros_like(lse), no_tangent)
+    return (out, lse, touched), (*_tangent(plan, a, da, out, lse), no_tangent)
 
 
 # ---------------------------------------------------------------------------------
@@ -349,7 +336,7 @@ def _lengths(x, batch):
 
 
 def run_engine(q, k, v, *, bias, mask, q_lengths, kv_lengths, is_causal, window, scale,
-               q_block: int, k_block: int):
+               q_block: int, k_block: int, bad_kv=None):
     """The engine on public layouts.
 
     Args:
@@ -358,10 +345,13 @@ def run_engine(q, k, v, *, bias, mask, q_lengths, kv_lengths, is_causal, window,
       q_lengths, kv_lengths: int broadcastable to `(B…)`, or None.
       is_causal, window, scale: see `jax_mha.attention`.
       q_block, k_block: block sizes, at most N and S.
+      bad_kv: bool broadcastable to `(B…, K, S)`, keys whose key or value had a
+        non-finite entry (q, k, v themselves must be finite), or None.
 
     Returns:
-      `(out (B…, H, N, Dv), lse (B…, H, N))` in the accumulation dtype (float32, or
-      float64 for float64 inputs); `lse` is +inf on rows with no visible key.
+      `(out (B…, H, N, Dv), lse (B…, H, N), touched (B…, H, N))`: out and lse in the
+      accumulation dtype (float32, or float64 for float64 inputs), lse +inf on rows
+      with no visible key, touched marking rows that may see a `bad_kv` key.
     """
     batch = tuple(jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
     (heads, n, d), (kv_heads, s, dv) = q.shape[-3:], v.shape[-3:]
@@ -380,8 +370,9 @@ def run_engine(q, k, v, *, bias, mask, q_lengths, kv_lengths, is_causal, window,
         _pairwise(bias, batch, heads, groups, n_pad, s_pad, 0),
         _pairwise(mask, batch, heads, groups, n_pad, s_pad, False),
         _lengths(q_lengths, batch), _lengths(kv_lengths, batch),
+        None if bad_kv is None else _pad(flat(bad_kv[..., None])[..., 0], 2, s_pad, False),
     )
-    out, lse = flash_attention(plan, a)
+    out, lse, touched = flash_attention(plan, a)
+    rows = lambda x: x.reshape(-1, kv_heads, groups, n_pad)[..., :n].reshape(batch + (heads, n))
     out = out.reshape(-1, kv_heads, groups, n_pad, dv)[..., :n, :].reshape(batch + (heads, n, dv))
-    lse = lse.reshape(-1, kv_heads, groups, n_pad)[..., :n].reshape(batch + (heads, n))
-    return out, lse
+    return out, rows(lse), rows(touched)

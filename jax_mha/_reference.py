@@ -3,6 +3,8 @@
 scores -> mask -> float32 softmax -> zeros for empty rows -> weights · v. The math runs
 in float32 whatever the input dtype (float64 stays float64), so gradients cannot
 overflow in float16. It is also the path that returns the weights (and drops them out).
+Inputs are finite here: the dispatcher (`jax_mha.functional`) replaces non-finite
+entries and marks the rows that see them.
 """
 
 from __future__ import annotations
@@ -43,28 +45,9 @@ def reference_weights(q, k, allowed=None, bias=None, *, scale: float):
     return weights, empty
 
 
-def mix_values(weights, v, allowed=None):
-    """`weights · v` with non-finite values kept to the rows that may see them.
-
-    Args:
-      weights: `(B…, H, N, S)`; v: `(B…, K, S, Dv)`; allowed as in `reference_weights`.
-
-    Returns:
-      `(B…, H, N, Dv)` in the weights' dtype. A row that may attend to a key whose
-      value is not finite is NaN; for every other row such values are selected away
-      before the matmul (a product with a zero weight would still give NaN).
-    """
-    v = jnp.repeat(v, weights.shape[-3] // v.shape[-3], axis=-3).astype(weights.dtype)
-    bad = ~jnp.all(jnp.isfinite(v), axis=-1)  # (B…, H, S)
-    sees = bad[..., None, :] if allowed is None else allowed & bad[..., None, :]
-    touched = jnp.any(jnp.broadcast_to(sees, weights.shape), axis=-1, keepdims=True)
-    out = jnp.einsum("...hns,...hsd->...hnd", weights, jnp.where(bad[..., None], 0.0, v))
-    return jnp.where(touched, jnp.nan, out)
-
-
 def reference_attention(q, k, v, allowed=None, bias=None, *, scale: float):
-    """`(out (B…, H, N, Dv), weights, empty)`: `reference_weights` then `mix_values`;
-    empty rows output 0."""
+    """`(out (B…, H, N, Dv), weights, empty)`: `reference_weights`, then weights · v
+    (v repeated per query head) in the weights' dtype; empty rows output 0."""
     weights, empty = reference_weights(q, k, allowed, bias, scale=scale)
-    out = jnp.where(empty[..., None], 0.0, mix_values(weights, v, allowed))
-    return out, weights, empty
+    v = jnp.repeat(v, q.shape[-3] // v.shape[-3], axis=-3).astype(weights.dtype)  # (B…, H, S, Dv)
+    return jnp.einsum("...hns,...hsd->...hnd", weights, v), weights, empty

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax_mha import _masking
 from jax_mha._cudnn import cudnn_attention, cudnn_problem
 from jax_mha._dense import dense_attention
-from jax_mha._reference import mix_values, reference_weights
+from jax_mha._reference import reference_weights
 from jax_mha.blockwise import KEY_BLOCK_SIZE, QUERY_BLOCK_SIZE, blockwise_attention
 
 IMPLEMENTATIONS = ("xla", "blockwise", "cudnn", "auto")
@@ -234,7 +234,7 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, base: float = 10000.0) 
 
 
 def _check_qkv(q, k, v):
-    """Dtypes and shapes of q, k, v; returns the broadcast batch dims."""
+    """Dtypes and shapes of q, k, v (one batch shape, as flax and jax.nn); returns it."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise DTypeError(f"{name} must be a real floating-point array, got dtype {x.dtype}")
@@ -245,16 +245,18 @@ def _check_qkv(q, k, v):
     if not q.ndim == k.ndim == v.ndim:
         raise ValueError(f"q, k, v must have the same rank, got shapes {q.shape}, {k.shape}, {v.shape}")
     (h, _, d), (kh, s, dk) = q.shape[-3:], k.shape[-3:]
-    if k.shape[-3:-1] != v.shape[-3:-1]:
-        raise ValueError(f"k and v must agree in heads and length: k {k.shape} vs v {v.shape}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(
+            f"k and v must agree in batch, heads and length: k {k.shape} vs v {v.shape} "
+            f"(key length {s}, value length {v.shape[-2]})"
+        )
     if dk != d:
         raise ValueError(f"q and k head dims differ: q {q.shape} (D={d}) vs k {k.shape} (D={dk})")
+    if q.shape[:-3] != k.shape[:-3]:
+        raise ValueError(f"q and k batch dims differ: q {q.shape} vs k {k.shape}")
     if kh < 1 or h % kh:
         raise ValueError(f"num_heads={h} of q is not divisible by num_kv_heads={kh} of k/v")
-    try:
-        return tuple(jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
-    except ValueError:
-        raise ValueError(f"batch dims of q {q.shape}, k {k.shape}, v {v.shape} do not broadcast") from None
+    return q.shape[:-3]
 
 
 def _check_pairwise(name: str, x, target: tuple, floating: bool):
@@ -354,12 +356,28 @@ def _check_path(path, q, k, v, dropout, return_weights):
 
 
 # ---------------------------------------------------------------------------------
-# The paths, and the empty-row policy applied to all of them.
+# The paths, and what happens to every path's output: non-finite inputs, empty rows.
 # ---------------------------------------------------------------------------------
 
 
-def _weights_path(q, k, v, desc, scale, dropout_rate, dropout_rng):
-    """The reference path: `(out, weights, empty)`, with dropout on the weights."""
+def _sanitize(q, k, v):
+    """Zeroes non-finite entries so no matmul ever multiplies 0 by NaN or inf.
+
+    Returns:
+      `(q, k, v, bad_q (B…, H, N), bad_kv (B…, K, S))`: the finite arrays, the query
+      rows with a non-finite entry and the keys whose key or value has one. A row
+      that may see a bad key, or whose query is bad, is set to NaN afterwards
+      (`_finish`); every other row is exactly what it would be without them.
+    """
+    finite = [jnp.isfinite(x) for x in (q, k, v)]
+    clean = [jnp.where(ok, x, jnp.zeros((), x.dtype)) for ok, x in zip(finite, (q, k, v))]
+    bad_q = ~jnp.all(finite[0], axis=-1)
+    bad_kv = ~(jnp.all(finite[1], axis=-1) & jnp.all(finite[2], axis=-1))
+    return (*clean, bad_q, bad_kv)
+
+
+def _weights_path(q, k, v, bad_kv, desc, scale, dropout_rate, dropout_rng):
+    """The reference path: `(out, weights, empty, touched)`, dropout on the weights."""
     batch_rank = q.ndim - 3
     vis = _masking.Visibility(
         q.shape[-2], k.shape[-2], desc["is_causal"], desc["window"], desc["mask"],
@@ -369,26 +387,35 @@ def _weights_path(q, k, v, desc, scale, dropout_rate, dropout_rng):
     allowed = _masking.dense_allowed(vis, q.ndim)
     bias = None if desc["bias"] is None else jax.lax.broadcast_to_rank(desc["bias"], q.ndim)
     weights, empty = reference_weights(q, k, allowed, bias, scale=scale)
-    applied = weights
     if dropout_rate > 0.0:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
-        applied = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
-    out = jnp.where(empty[..., None], 0.0, mix_values(applied, v, allowed))
-    return out, applied, empty
+        weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+    groups = q.shape[-3] // k.shape[-3]
+    v = jnp.repeat(v, groups, axis=-3).astype(weights.dtype)  # (B…, H, S, Dv)
+    out = jnp.einsum("...hns,...hsd->...hnd", weights, v)
+    sees_bad = jnp.repeat(bad_kv, groups, axis=-2)[..., None, :]  # (B…, H, 1, S)
+    touched = jnp.any(sees_bad if allowed is None else allowed & sees_bad, axis=-1)
+    return out, weights, empty, jnp.broadcast_to(touched, empty.shape)
 
 
-def _finish(out, weights, empty, v, q_lengths, empty_rows):
-    """Applies the empty-row policy and zeroes query rows past `q_lengths`."""
+def _finish(out, weights, empty, poisoned, v, q_lengths, empty_rows):
+    """The empty-row policy, NaN for poisoned rows, zeros past `q_lengths`."""
     *batch, h, n, _ = out.shape
     s = v.shape[-2]
-    if empty_rows == "uniform":
+    if empty_rows == "uniform" and s:
         groups = h // v.shape[-3]
         mean_v = jnp.repeat(jnp.mean(v.astype(out.dtype), axis=-2, keepdims=True), groups, axis=-3)
         out = jnp.where(empty[..., None], mean_v, out)  # (B…, H, N, Dv)
         if weights is not None:
             weights = jnp.where(empty[..., None], jnp.asarray(1.0 / s, weights.dtype), weights)
+    # A poisoned row is a constant NaN: gradients flow only through the clean rows.
+    poisoned = (poisoned & ~empty)[..., None]
+    out = jnp.where(poisoned, jnp.nan, out)
+    if weights is not None:
+        weights = jnp.where(poisoned, jnp.nan, weights)
     if q_lengths is not None:
-        row_ok = jnp.arange(n) < _masking.lengths_at_rank(q_lengths, len(batch))[..., 0]  # (B…, 1, N)
+        lengths = _masking.lengths_at_rank(q_lengths, len(batch))[..., 0]  # (B…, 1, 1)
+        row_ok = jax.lax.broadcast_to_rank(jnp.arange(n), lengths.ndim) < lengths  # (B…, 1, N)
         out = jnp.where(row_ok[..., None], out, 0.0)
         if weights is not None:
             weights = jnp.where(row_ok[..., None], weights, 0.0)
@@ -431,7 +458,7 @@ def attention(
       q: `(B…, H, N, D)` queries, real floating point.
       k: `(B…, K, S, D)` keys, `H % K == 0`; query heads `h*G:(h+1)*G` (G = H // K)
         share key/value head `h` (GQA; `K == 1` is MQA). K/V are never repeated.
-      v: `(B…, K, S, Dv)` values. q, k, v share one dtype; batch dims broadcast.
+      v: `(B…, K, S, Dv)` values. q, k, v share one dtype and one batch shape.
       mask: bool, broadcastable to `(B…, H, N, S)`; True = may attend.
       bias: float, broadcastable to `(B…, H, N, S)`, added to the scaled logits; a
         `-inf` entry masks its key (a row of `-inf` is an empty row). Differentiable.
@@ -483,32 +510,38 @@ def attention(
     dropout = dropout_rate > 0.0 and not deterministic
     path = resolve_implementation(q, k, v, implementation=implementation, return_weights=return_weights, dropout=dropout)
     _check_path(path, q, k, v, dropout, return_weights)
-    out, weights, empty = _run_path(path, q, k, v, desc, scale, dropout_rate if dropout else 0.0, dropout_rng,
-                                    return_weights, query_block_size, key_block_size)
-    out, weights = _finish(out, weights, empty, v, desc["q_lengths"], empty_rows)
-    out = out.astype(q.dtype)
-    return (out, weights.astype(q.dtype)) if return_weights else out
+    dtype = q.dtype
+    q, k, v, bad_q, bad_kv = _sanitize(q, k, v)
+    out, weights, empty, touched = _run_path(
+        path, q, k, v, bad_kv, desc, scale, dropout_rate if dropout else 0.0, dropout_rng,
+        return_weights, query_block_size, key_block_size,
+    )
+    out, weights = _finish(out, weights, empty, touched | bad_q, v, desc["q_lengths"], empty_rows)
+    return (out.astype(dtype), weights.astype(dtype)) if return_weights else out.astype(dtype)
 
 
-def _run_path(path, q, k, v, desc, scale, dropout_rate, dropout_rng, return_weights, q_block, k_block):
-    """`(out, weights or None, empty)` from the chosen path."""
+def _run_path(path, q, k, v, bad_kv, desc, scale, dropout_rate, dropout_rng, return_weights, q_block, k_block):
+    """`(out, weights or None, empty, touched)` from the chosen path."""
     batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3])
     n, s = q.shape[-2], k.shape[-2]
-    if n == 0 or s == 0:
+    if n == 0 or s == 0:  # zeros under either empty-row policy
         out = jnp.zeros(batch + q.shape[-3:-1] + v.shape[-1:], jnp.promote_types(q.dtype, jnp.float32))
         weights = jnp.zeros(batch + q.shape[-3:-1] + (s,), out.dtype) if return_weights else None
-        return out, weights, jnp.zeros(out.shape[:-1], bool)  # zeros under either policy
+        no_rows = jnp.zeros(out.shape[:-1], bool)
+        return out, weights, no_rows, no_rows
     if return_weights or dropout_rate > 0.0:
-        return _weights_path(q, k, v, desc, scale, dropout_rate, dropout_rng)
+        return _weights_path(q, k, v, bad_kv, desc, scale, dropout_rate, dropout_rng)
     if path == "cudnn":
-        out, empty = cudnn_attention(q, k, v, scale=scale, **desc)
-        return out, None, empty
+        out, empty, touched = cudnn_attention(q, k, v, bad_kv=bad_kv, scale=scale, **desc)
+        return out, None, empty, touched
     if path == "blockwise":
         q_block = _index("query_block_size", q_block)
         k_block = _index("key_block_size", k_block)
         if q_block < 1 or k_block < 1:
             raise ValueError(f"block sizes must be >= 1, got query_block_size={q_block}, key_block_size={k_block}")
-        out, lse = blockwise_attention(q, k, v, query_block_size=q_block, key_block_size=k_block, scale=scale, **desc)
+        out, lse, touched = blockwise_attention(
+            q, k, v, query_block_size=q_block, key_block_size=k_block, scale=scale, bad_kv=bad_kv, **desc
+        )
     else:
-        out, lse = dense_attention(q, k, v, scale=scale, **desc)
-    return out, None, lse == jnp.inf
+        out, lse, touched = dense_attention(q, k, v, scale=scale, bad_kv=bad_kv, **desc)
+    return out, None, lse == jnp.inf, touched

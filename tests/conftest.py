@@ -8,6 +8,7 @@ explicitly and a silently swapped or missing axis cannot slip through.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -66,3 +67,57 @@ def np_attention_fixture():
 def rng():
     """A fresh NumPy generator per test (fixed seed: failures reproduce)."""
     return np.random.default_rng(0)
+
+
+def np_allowed(shape, *, is_causal=False, window=None, q_lengths=None, kv_lengths=None, mask=None):
+    """The boolean `(B…, H, N, S)` pattern of who may attend, in NumPy, written apart
+    from `jax_mha._masking`: query i sits at key position i + S - N; a window side of
+    None is unbounded; lengths are per batch entry."""
+    *batch, h, n, s = shape
+    pos = np.arange(n)[:, None] + (s - n)
+    key = np.arange(s)[None, :]
+    ok = np.ones(shape, bool)
+    if is_causal:
+        ok &= key <= pos
+    if window is not None:
+        left, right = (window, window) if isinstance(window, int) else window
+        if left is not None:
+            ok &= key >= pos - left
+        if right is not None:
+            ok &= key <= pos + right
+    if q_lengths is not None:
+        ok &= np.arange(n)[:, None] < np.broadcast_to(np.asarray(q_lengths), tuple(batch))[..., None, None, None]
+    if kv_lengths is not None:
+        ok &= key < np.broadcast_to(np.asarray(kv_lengths), tuple(batch))[..., None, None, None]
+    if mask is not None:
+        ok &= np.asarray(mask)
+    return ok
+
+
+def jax_reference(q, k, v, allowed=None, bias=None, scale=None):
+    """Dense attention in plain `jax.numpy`, written apart from `jax_mha`, for comparing
+    every JAX transformation against autodiff (run it in float64). k/v are repeated per
+    query head (GQA); masked logits are -inf; rows with nothing allowed give 0."""
+    h, kv_heads, d = q.shape[-3], k.shape[-3], q.shape[-1]
+    k = jnp.repeat(k, h // kv_heads, axis=-3)
+    v = jnp.repeat(v, h // kv_heads, axis=-3)
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    logits = q @ jnp.swapaxes(k, -1, -2) * scale
+    if bias is not None:
+        logits = logits + bias
+    allowed = jnp.ones(logits.shape, bool) if allowed is None else jnp.broadcast_to(allowed, logits.shape)
+    logits = jnp.where(allowed, logits, -jnp.inf)
+    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    e = jnp.where(allowed, jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    return (e / jnp.where(total > 0, total, 1.0)) @ v
+
+
+def x64(enabled: bool = True):
+    """Context manager turning 64-bit types on (`jax.enable_x64`, or the older
+    `jax.experimental.enable_x64`)."""
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(enabled)
+    from jax.experimental import enable_x64, disable_x64  # jax < 0.5
+
+    return enable_x64() if enabled else disable_x64()
