@@ -283,6 +283,11 @@ def flash_attention(plan: Plan, a: Arrays):
     return _forward(plan, a)
 
 
+# Jitted with the plan static, so that eager calls compile once per plan and shape
+# (inside an outer jit this is inlined).
+_flash_jit = jax.jit(flash_attention, static_argnums=0)
+
+
 @functools.partial(flash_attention.defjvp, symbolic_zeros=True)
 def _flash_attention_jvp(plan, primals, tangents):
     (a,), (da,) = primals, tangents
@@ -372,7 +377,7 @@ def run_engine(q, k, v, *, bias, mask, q_lengths, kv_lengths, is_causal, window,
         _lengths(q_lengths, batch), _lengths(kv_lengths, batch),
         None if bad_kv is None else _pad(flat(bad_kv[..., None])[..., 0], 2, s_pad, False),
     )
-    out, lse, touched = flash_attention(plan, a)
+    out, lse, touched = _flash_jit(plan, a)
     rows = lambda x: x.reshape(-1, kv_heads, groups, n_pad)[..., :n].reshape(batch + (heads, n))
     out = out.reshape(-1, kv_heads, groups, n_pad, dv)[..., :n, :].reshape(batch + (heads, n, dv))
     return out, rows(lse), rows(touched)

@@ -221,7 +221,7 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, base: float = 10000.0) 
     half = x.shape[-1] // 2
     dtype = jnp.promote_types(x.dtype, jnp.float32)
     freq = jnp.asarray(base, dtype) ** (-jnp.arange(half, dtype=dtype) * 2 / x.shape[-1])  # (D/2,)
-    angle = positions.astype(dtype)[..., None] * freq  # (B…, N, D/2)
+    angle = positions.astype(dtype)[..., None] * jax.lax.broadcast_to_rank(freq, positions.ndim + 1)  # (B…, N, D/2)
     angle = jax.lax.broadcast_to_rank(angle[..., None, :, :], x.ndim)  # (B…, 1, N, D/2)
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     x1, x2 = x[..., :half].astype(dtype), x[..., half:].astype(dtype)
