@@ -286,7 +286,7 @@ class TransformerBlock(nnx.Module):
 def to_linen_params(module: nnx.Module) -> dict:
     """The module's parameters as the linen twin's `params` dict (same names and
     shapes): `linen_module.apply({"params": to_linen_params(m)}, x)` equals `m(x)`."""
-    return nnx.state(module, nnx.Param).to_pure_dict()
+    return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
 
 def from_linen_params(module: nnx.Module, params: dict) -> nnx.Module:
@@ -302,6 +302,6 @@ def from_linen_params(module: nnx.Module, params: dict) -> nnx.Module:
         diff = sorted(set(have.items()) ^ set(want.items()))
         raise ValueError(f"linen params do not match the module's (path, shape) pairs; differing: {diff}")
     state = nnx.state(module, nnx.Param)
-    state.replace_by_pure_dict(jax.tree_util.tree_map(jnp.asarray, params))
+    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map(jnp.asarray, params))
     nnx.update(module, state)
     return module
