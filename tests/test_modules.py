@@ -490,7 +490,7 @@ def decode(model, params, cache, x, chunks, **kwargs):
 
 DECODE_CASES = {
     # name: (module options, call options, dtype, tolerance)
-    "mha_rope": (dict(num_heads=3, rope=True), {}, jnp.float32, 1e-5),
+    "mha_rope_extra_keys": (dict(num_heads=3, rope=True, add_bias_kv=True, add_zero_attn=True), {}, jnp.float32, 1e-5),
     "gqa_rope_window_bias": (
         dict(num_heads=6, num_kv_heads=2, rope=True, qkv_bias=True), dict(local_window_size=(2, None)), jnp.float32, 1e-5
     ),
