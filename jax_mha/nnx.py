@@ -174,6 +174,10 @@ class MultiHeadAttention(nnx.Module):
           `(B…, N, out_features)`, or `(out, weights (B…, H, N, S))`.
         """
         key, value = _layer.check_inputs(query, key, value)
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if x.shape[-1] != getattr(self, name).in_features:
+                raise ValueError(f"{name} has {x.shape[-1]} features, the module was built for "
+                                 f"{getattr(self, name).in_features} (shape {x.shape})")
         q = split_heads(self.query(query), self.num_heads)  # (B…, H, N, D)
         k = split_heads(self.key(key), self.num_kv_heads)  # (B…, K, S, D)
         v = split_heads(self.value(value), self.num_kv_heads)  # (B…, K, S, D)

@@ -105,5 +105,7 @@ def test_parameter_conversion_errors():
     params["query"]["kernel"] = params["query"]["kernel"][:, :-1]
     with pytest.raises(ValueError, match=r"\['query'\]\['kernel'\]"):
         jnnx.from_linen_params(model, params)
+    with pytest.raises(ValueError, match=re.escape("key has 7 features, the module was built for 36")):
+        model(jnp.ones((B, N, D_MODEL)), jnp.ones((B, 3, 7)))
     with pytest.raises(ValueError, match=re.escape("num_heads=6 is not divisible by num_kv_heads=4")):
         jnnx.MultiHeadAttention(H, D_MODEL, num_kv_heads=4, rngs=nnx.Rngs(0))
