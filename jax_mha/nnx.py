@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_mha import _layer
+from jax_mha._projection import projection_dot_general
 from jax_mha.functional import combine_heads, split_heads
 
 
@@ -96,7 +97,8 @@ class MultiHeadAttention(nnx.Module):
 
         def linear(d_in, d_out, use_bias, k_init=kernel_init, b_init=bias_init):
             return nnx.Linear(d_in, d_out, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                              precision=precision, kernel_init=k_init, bias_init=b_init, rngs=rngs)
+                              precision=precision, kernel_init=k_init, bias_init=b_init,
+                              dot_general=projection_dot_general, rngs=rngs)  # faster gradient on CPU
 
         self.query = linear(in_features, self.d_model, qkv_bias)
         self.key = linear(in_kv_features, kv_features, qkv_bias)

@@ -43,8 +43,10 @@ def test_multi_head_attention_equals_linen_on_identical_weights(rng):
     chex.assert_trees_all_equal_shapes(params, expected_shapes)
 
     kv_lengths = jnp.array([11, 6])
-    out, weights = ours(query, memory, kv_lengths=kv_lengths, return_weights=True)
-    ref, ref_w = linen.apply({"params": params}, query, memory, kv_lengths=kv_lengths, return_weights=True)
+    # One jit each: cheaper than running every primitive of this many options un-jitted.
+    out, weights = nnx.jit(lambda m: m(query, memory, kv_lengths=kv_lengths, return_weights=True))(ours)
+    ref, ref_w = jax.jit(lambda p: linen.apply({"params": p}, query, memory, kv_lengths=kv_lengths,
+                                               return_weights=True))(params)
     chex.assert_trees_all_close((out, weights), (ref, ref_w), atol=1e-6, rtol=1e-6)
     chex.assert_shape(out, (B, N, 7))
 
@@ -57,10 +59,9 @@ def test_transformer_block_equals_linen_and_loads_linen_weights(rng, pre_norm):
     params = jax.tree_util.tree_map(lambda s: 0.3 * rng.standard_normal(s.shape), shapes)
     block = jnnx.TransformerBlock(D_MODEL, H, 13, num_kv_heads=3, pre_norm=pre_norm, rope=True, rngs=nnx.Rngs(1))
     jnnx.from_linen_params(block, params)
-    # return_weights: the weights path, cheap un-jitted (the decoding test covers the fused path).
     np.testing.assert_allclose(
-        block(x, is_causal=True, return_weights=True)[0],
-        linen.apply({"params": params}, x, is_causal=True, return_weights=True)[0], rtol=1e-5, atol=1e-5,
+        nnx.jit(lambda m: m(x, is_causal=True))(block),
+        jax.jit(lambda p: linen.apply({"params": p}, x, is_causal=True))(params), rtol=1e-5, atol=1e-5,
     )
 
 
