@@ -43,17 +43,19 @@ def _projection_jvp(primals, tangents):
 _projection.defjvp(_projection_jvp, symbolic_zeros=True)
 
 
-def projection_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+def projection_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
     """`jax.lax.dot_general`, with the fast kernel gradient for Dense's own contraction
-    (last axis of `lhs` with a 2-D kernel) on the CPU backend without precision
-    overrides; anything else is plain `dot_general`."""
+    (last axis of `lhs` with a 2-D kernel) on the CPU backend without precision, dtype
+    or sharding overrides; anything else is plain `dot_general` (`kwargs`, e.g. the
+    `out_sharding` that `nnx.Linear` passes, go to it)."""
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     dense_like = (
         tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) == (0,)
         and not tuple(lhs_batch) and not tuple(rhs_batch) and rhs.ndim == 2
     )
-    if not dense_like or precision is not None or preferred_element_type is not None or jax.default_backend() != "cpu":
+    overridden = precision is not None or preferred_element_type is not None or any(v is not None for v in kwargs.values())
+    if not dense_like or overridden or jax.default_backend() != "cpu":
         return jax.lax.dot_general(
-            lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type
+            lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type, **kwargs
         )
     return _projection(lhs, rhs)

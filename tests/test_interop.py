@@ -165,12 +165,12 @@ def test_from_flax_equals_multi_head_dot_product_attention_with_qk_norm(rng):
     ref = nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=E, out_features=17, normalize_qk=True)
     shapes = jax.eval_shape(ref.init, jax.random.key(0), query, memory)["params"]
     flax_params = jax.tree_util.tree_map(lambda s: normal(rng, s.shape) + (s.shape == (D,)), shapes)
-    expected = ref.apply({"params": flax_params}, query, memory, mask=mask)
+    expected = jax.jit(lambda p: ref.apply({"params": p}, query, memory, mask=mask))(flax_params)
 
     params = from_flax(flax_params)
     assert params["query"]["kernel"].shape == (11, E) and params["out"]["kernel"].shape == (E, 17)
     model = MultiHeadAttention(num_heads=H, d_model=E, qkv_bias=True, out_features=17, normalize_qk=True)
-    out, _ = model.apply({"params": params}, query, memory, mask=mask, return_weights=True)  # cheap un-jitted
+    out = jax.jit(lambda p: model.apply({"params": p}, query, memory, mask=mask))(params)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
     back = to_flax(params, num_heads=H)
     jax.tree_util.tree_map(np.testing.assert_array_equal, back, flax_params)
@@ -183,7 +183,8 @@ def test_from_flax_nnx_grouped_query_attention(rng):
     params = from_flax(nnx.to_pure_dict(nnx.state(ref, nnx.Param)))
     assert params["key"]["kernel"].shape == (E, 8)  # 2 kv heads of D = 4
     model = MultiHeadAttention(num_heads=6, d_model=24, num_kv_heads=2, qkv_bias=True, out_features=E)
-    np.testing.assert_allclose(model.apply({"params": params}, x, return_weights=True)[0], ref(x), rtol=1e-5, atol=1e-5)
+    expected = nnx.jit(lambda m: m(x))(ref)
+    np.testing.assert_allclose(jax.jit(lambda p: model.apply({"params": p}, x))(params), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_flax_conversion_errors(rng):
