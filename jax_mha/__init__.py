@@ -1,4 +1,7 @@
-"""jax_mha: multi-head attention in JAX/Flax — a pure functional core and thin linen modules."""
+"""jax_mha: multi-head attention in JAX/Flax — a pure functional core and thin linen modules.
+
+`jax_mha.nnx` holds the Flax NNX twins of the modules (import it explicitly).
+"""
 
 from jax_mha.functional import (
     rotary_embedding,
@@ -10,6 +13,7 @@ from jax_mha.functional import (
     padding_mask,
     split_heads,
 )
+from jax_mha.interop import from_flax, from_torch_state_dict, mask_from_torch, to_flax, to_torch_state_dict
 from jax_mha.modules import FeedForward, MultiHeadAttention, TransformerBlock
 
 __version__ = "0.1.0"
@@ -22,7 +26,13 @@ __all__ = [
     "attention_entropy",
     "causal_mask",
     "combine_heads",
+    "from_flax",
+    "from_torch_state_dict",
     "lengths_mask",
+    "mask_from_torch",
     "padding_mask",
+    "rotary_embedding",
     "split_heads",
+    "to_flax",
+    "to_torch_state_dict",
 ]

@@ -1,104 +1,127 @@
-"""Flax linen modules: they create parameters and call `jax_mha.functional`, nothing more."""
+"""Flax linen modules: they create parameters and call the functional core, nothing more.
+
+`MultiHeadAttention` projects with plain `nn.Dense` layers and hands the heads to
+`jax_mha._layer.attend` (RoPE, the decoding cache step, PyTorch's extra keys, head
+gates), which calls `jax_mha.attention`. `jax_mha.nnx` holds the same modules in
+`flax.nnx`, with the same parameter names and shapes.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jax_mha.functional import attention, combine_heads, split_heads
-
-
-@jax.custom_vjp
-def _matmul_last_axis(x: jax.Array, w: jax.Array) -> jax.Array:
-    """`x @ w` over x's last axis: `(…, d_in) @ (d_in, f) -> (…, f)`."""
-    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))
+from jax_mha import _layer
+from jax_mha._projection import projection_dot_general
+from jax_mha.functional import combine_heads, split_heads
 
 
-def _matmul_last_axis_fwd(x, w):
-    return _matmul_last_axis(x, w), (x, w)
-
-
-def _matmul_last_axis_bwd(res, dy):
-    x, w = res
-    dx = jax.lax.dot_general(dy, w, (((dy.ndim - 1,), (1,)), ((), ())))  # dy wᵀ
-    # dw = xᵀ dy. Autodiff hands XLA a dot contracting x's *row* axis, which XLA:CPU
-    # runs on its generic (Eigen) kernel, 1.2-1.4x slower than the YNNPACK matmul it
-    # uses for row-major operands; a materialised xᵀ (kept by the barrier from being
-    # folded back into the dot) costs one copy of x and wins 10-20% on the matmul.
-    xt = jax.lax.optimization_barrier(x.reshape(-1, x.shape[-1]).T)  # (d_in, B…·N)
-    dw = xt @ dy.reshape(-1, dy.shape[-1])  # (d_in, f)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-_matmul_last_axis.defvjp(_matmul_last_axis_fwd, _matmul_last_axis_bwd)
-
-
-def projection_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-    """`jax.lax.dot_general` for `nn.Dense(dot_general=...)`: the same product, with a
-    kernel gradient that XLA:CPU runs on its fast matmul (see `_matmul_last_axis_bwd`).
-
-    Only Dense's own contraction (last axis of `lhs` with a 2-D kernel), on the CPU
-    backend and without precision overrides takes the custom gradient; anything else
-    is plain `dot_general`. The parameters and the forward value are unchanged.
-    """
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-    dense_like = (
-        tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) == (0,)
-        and not tuple(lhs_batch) and not tuple(rhs_batch) and rhs.ndim == 2
-    )
-    if not dense_like or precision is not None or preferred_element_type is not None or jax.default_backend() != "cpu":
-        return jax.lax.dot_general(
-            lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type
-        )
-    return _matmul_last_axis(lhs, rhs)
+def extra_kv_init(features: int) -> Callable:
+    """Initialiser of `bias_k`/`bias_v` `(K*D,)`: N(0, 1/(K*D)), what PyTorch's
+    `xavier_normal_` gives its `(1, 1, E)` tensors."""
+    return nn.initializers.normal(stddev=1.0 / math.sqrt(features))
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention (Vaswani et al. 2017, §3.2.2) with GQA/MQA and head gates.
+    """Multi-head attention (Vaswani et al. 2017, §3.2.2) with GQA/MQA, a KV cache,
+    QK-norm, RoPE and head gates.
 
     Parameters are plain `nn.Dense` layers: `query/kernel (d_q, H*D)`,
-    `key/kernel (d_k, K*D)`, `value/kernel (d_v, K*D)`, `out/kernel (H*D, d_model)`;
-    head `h` owns columns `h*D:(h+1)*D` of the query kernel (the `split_heads` layout).
+    `key/kernel (d_k, K*D)`, `value/kernel (d_v, K*D)`, `out/kernel (H*D, out_features)`;
+    head `h` owns columns `h*D:(h+1)*D` of the query kernel (the `split_heads`
+    layout). With `normalize_qk`: `query_ln/scale (D,)` and `key_ln/scale (D,)`
+    (flax's names and shapes). With `add_bias_kv`: `bias_k (K*D,)`, `bias_v (K*D,)`.
+
+    Decoding (`decode=True`, flax's scheme): `init` with an input of the maximum
+    length L creates the `"cache"` collection: `cached_key (B…, K, L, D)`,
+    `cached_value (B…, K, L, D)` (our head-major layout; flax's is `(B…, L, K, D)`)
+    and `cache_index` (int32). Each `apply(..., mutable=["cache"])` then takes the
+    next token, or a chunk of n tokens, writes its keys and values at `cache_index`
+    and attends causally to everything written so far (`is_causal` is implied); RoPE
+    positions continue from `cache_index`. Writing past L raises a `ValueError`
+    outside jit; under jit, where the index is traced, the outputs of such a call
+    are NaN instead.
 
     Attributes:
       num_heads: H, query heads.
-      d_model: H*D and the output features; default: the last dim of `query`.
+      d_model: H*D (flax's `qkv_features`); default: the last dim of `query`.
       num_kv_heads: K, key/value heads (default H; 1 = multi-query attention).
+      out_features: width of the output; default `d_model`.
       qkv_bias: biases on the query/key/value projections.
       out_bias: bias on the output projection.
       dropout_rate: dropout on the attention weights (rng collection "dropout").
       dtype: computation dtype (e.g. jnp.bfloat16); None = inferred from inputs.
       param_dtype: parameter dtype.
-      kernel_init: kernel initializer (xavier-uniform, as in the seeds).
-      bias_init: bias initializer.
+      precision: `jax.lax.Precision` of the four projections. The attention itself
+        always scales and soft-maxes in float32 (unlike flax, it takes no precision).
+      kernel_init, bias_init: initialisers of the projections (xavier-uniform and
+        zeros, as in the seeds).
+      out_kernel_init, out_bias_init: of the output projection; default the above.
       implementation: see `jax_mha.attention`.
+      decode: keep a KV cache and decode (see above).
+      normalize_qk: QK-norm (Dehghani et al. 2023): LayerNorm without bias over each
+        head's q and k before the logits.
+      rope: rotary position embeddings on q and k (Su et al. 2021; rotate-half).
+      rope_base: RoPE's wavelength base.
+      sow_weights: always sow the weights into "intermediates" (see `__call__`).
+      add_bias_kv: PyTorch's: a learned key and value every query also attends to.
+      add_zero_attn: PyTorch's: a zero key and value every query also attends to.
     """
 
     num_heads: int
     d_model: int | None = None
     num_kv_heads: int | None = None
+    out_features: int | None = None
     qkv_bias: bool = False
     out_bias: bool = True
     dropout_rate: float = 0.0
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    precision: Any = None
     kernel_init: Callable = nn.initializers.xavier_uniform()
     bias_init: Callable = nn.initializers.zeros
+    out_kernel_init: Callable | None = None
+    out_bias_init: Callable | None = None
     implementation: str | None = "xla"
+    decode: bool = False
+    normalize_qk: bool = False
+    rope: bool = False
+    rope_base: float = 10000.0
+    sow_weights: bool = False
+    add_bias_kv: bool = False
+    add_zero_attn: bool = False
 
-    def _sizes(self, query: jax.Array) -> tuple[int, int, int]:
-        """(d_model, num_kv_heads, head_dim), validated."""
-        d_model = self.d_model if self.d_model is not None else query.shape[-1]
-        num_kv_heads = self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
-        if self.num_heads < 1 or d_model % self.num_heads:
-            raise ValueError(f"d_model={d_model} is not divisible by num_heads={self.num_heads}")
-        if num_kv_heads < 1 or self.num_heads % num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not divisible by num_kv_heads={num_kv_heads}")
-        return d_model, num_kv_heads, d_model // self.num_heads
+    def _dense(self, features: int, name: str, use_bias: bool, out: bool = False) -> nn.Dense:
+        return nn.Dense(
+            features, use_bias=use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
+            precision=self.precision, name=name, dot_general=projection_dot_general,  # faster gradient on CPU
+            kernel_init=(self.out_kernel_init or self.kernel_init) if out else self.kernel_init,
+            bias_init=(self.out_bias_init or self.bias_init) if out else self.bias_init,
+        )
+
+    def _layer_norm(self, name: str) -> nn.LayerNorm:
+        return nn.LayerNorm(use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+
+    def _cache(self, k: jax.Array, v: jax.Array) -> _layer.Cache | None:
+        """The cache to decode with, or None when not decoding or while `init`
+        creates it (flax's rule: the first call runs the plain forward pass)."""
+        if not self.decode:
+            return None
+        initialized = self.has_variable("cache", "cached_key")
+        key = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
+        value = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+        index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+        return _layer.Cache(key.value, value.value, index.value) if initialized else None
+
+    def _extra_kv(self, features: int):
+        if not self.add_bias_kv:
+            return None
+        return tuple(self.param(name, extra_kv_init(features), (features,), self.param_dtype)
+                     for name in ("bias_k", "bias_v"))
 
     @nn.compact
     def __call__(
@@ -108,11 +131,17 @@ class MultiHeadAttention(nn.Module):
         value: jax.Array | None = None,
         mask: jax.Array | None = None,
         *,
+        bias: jax.Array | None = None,
         is_causal: bool = False,
+        local_window_size: int | tuple[int | None, int | None] | None = None,
+        q_lengths: jax.Array | None = None,
+        kv_lengths: jax.Array | None = None,
+        positions: jax.Array | None = None,
         head_mask: jax.Array | None = None,
         deterministic: bool = True,
+        dropout_rng: jax.Array | None = None,
         return_weights: bool = False,
-        kv_lengths: jax.Array | None = None,
+        sow_weights: bool = False,
     ):
         """Attends from `query` to `key`/`value`.
 
@@ -121,71 +150,59 @@ class MultiHeadAttention(nn.Module):
           key: `(B…, S, d_k)`; defaults to `query` (self-attention).
           value: `(B…, S, d_v)`; defaults to `key`.
           mask: bool, broadcastable to `(B…, H, N, S)`, True = may attend.
+          bias: float, broadcastable to `(B…, H, N, S)`, added to the logits (ALiBi,
+            relative positions; `-inf` masks).
           is_causal: apply the causal pattern (see `jax_mha.causal_mask`).
+          local_window_size: `(left, right)` or an int, as in `jax_mha.attention`.
+          q_lengths, kv_lengths: int broadcastable to `(B…)`: valid queries / keys
+            per sequence (rows past `q_lengths` output zeros before `out`).
+          positions: RoPE positions `(N,)` or `(B…, N)` of a self-attention call (e.g.
+            for left-padded prompts); default `0 … N-1`, or from `cache_index`.
           head_mask: float `(H,)` or broadcastable to `(B…, H)`; multiplies each head's
             output before the heads are combined (0 removes a head).
           deterministic: disables dropout.
+          dropout_rng: key for the weights' dropout; default `make_rng("dropout")`.
           return_weights: also return the attention weights.
-          kv_lengths: int broadcastable to `(B…)`, valid keys per sequence.
+          sow_weights: sow the weights into "intermediates" as `attention_weights`
+            (flax's name; `apply(..., mutable=["intermediates"])` returns them).
 
         Returns:
-          `(B…, N, d_model)`, or `(out, weights (B…, H, N, S))` with `return_weights`.
+          `(B…, N, out_features)`, or `(out, weights (B…, H, N, S))` with
+          `return_weights` (S grows by one per `add_bias_kv`/`add_zero_attn` key,
+          whose columns come last, as in PyTorch; L when decoding).
 
         Raises:
           ValueError: naming the numbers, for indivisible head counts, a key/value
-            length or batch mismatch, inputs of rank < 2, or a bad mask/head_mask.
+            length or batch mismatch, inputs of rank < 2, a bad mask/head_mask, or
+            decoding past the cache.
         """
-        key = query if key is None else key
-        value = key if value is None else value
-        for name, x in (("query", query), ("key", key), ("value", value)):
-            if x.ndim < 2:
-                raise ValueError(f"{name} must have shape (B…, length, features), got shape {x.shape}")
-        if key.shape[-2] != value.shape[-2]:
-            raise ValueError(
-                f"key length {key.shape[-2]} != value length {value.shape[-2]} "
-                f"(key {key.shape}, value {value.shape})"
-            )
-        if not query.shape[:-2] == key.shape[:-2] == value.shape[:-2]:
-            raise ValueError(
-                f"query, key, value batch dims differ: {query.shape}, {key.shape}, {value.shape}"
-            )
-        d_model, num_kv_heads, head_dim = self._sizes(query)
-
-        dense = lambda features, name, bias: nn.Dense(
-            features, use_bias=bias, dtype=self.dtype, param_dtype=self.param_dtype,
-            kernel_init=self.kernel_init, bias_init=self.bias_init, name=name,
-            dot_general=projection_dot_general,  # same parameters and values; faster gradient on CPU
+        key, value = _layer.check_inputs(query, key, value)
+        d_model = self.d_model if self.d_model is not None else query.shape[-1]
+        kv_heads, head_dim = _layer.head_sizes(self.num_heads, d_model, self.num_kv_heads)
+        q = split_heads(self._dense(d_model, "query", self.qkv_bias)(query), self.num_heads)  # (B…, H, N, D)
+        k = split_heads(self._dense(kv_heads * head_dim, "key", self.qkv_bias)(key), kv_heads)  # (B…, K, S, D)
+        v = split_heads(self._dense(kv_heads * head_dim, "value", self.qkv_bias)(value), kv_heads)  # (B…, K, S, D)
+        if self.normalize_qk:
+            q, k = self._layer_norm("query_ln")(q), self._layer_norm("key_ln")(k)
+        cache = self._cache(k, v)
+        sow = sow_weights or self.sow_weights
+        if self.dropout_rate > 0.0 and not deterministic and dropout_rng is None:
+            dropout_rng = self.make_rng("dropout")
+        out, weights, cache = _layer.attend(
+            q, k, v, mask=mask, bias=bias, is_causal=is_causal, local_window_size=local_window_size,
+            q_lengths=q_lengths, kv_lengths=kv_lengths, positions=positions,
+            rope_base=self.rope_base if self.rope else None, cache=cache,
+            bias_kv=self._extra_kv(kv_heads * head_dim), add_zero_attn=self.add_zero_attn,
+            head_mask=head_mask, need_weights=return_weights or sow, dropout_rate=self.dropout_rate,
+            dropout_rng=dropout_rng, deterministic=deterministic, implementation=self.implementation,
         )
-        q = split_heads(dense(d_model, "query", self.qkv_bias)(query), self.num_heads)  # (B…, H, N, D)
-        k = split_heads(dense(num_kv_heads * head_dim, "key", self.qkv_bias)(key), num_kv_heads)  # (B…, K, S, D)
-        v = split_heads(dense(num_kv_heads * head_dim, "value", self.qkv_bias)(value), num_kv_heads)  # (B…, K, S, D)
-
-        dropout_active = self.dropout_rate > 0.0 and not deterministic
-        result = attention(
-            q, k, v, mask,
-            is_causal=is_causal,
-            dropout_rate=self.dropout_rate,
-            dropout_rng=self.make_rng("dropout") if dropout_active else None,
-            deterministic=deterministic,
-            return_weights=return_weights,
-            implementation=self.implementation,
-            kv_lengths=kv_lengths,
-        )
-        out, weights = result if return_weights else (result, None)  # out: (B…, H, N, D)
-
-        if head_mask is not None:
-            head_mask = jnp.asarray(head_mask)
-            target = out.shape[:-2]  # (B…, H)
-            try:
-                ok = np.broadcast_shapes(head_mask.shape, target) == target
-            except ValueError:
-                ok = False
-            if not ok:
-                raise ValueError(f"head_mask of shape {head_mask.shape} does not broadcast to (B…, H) = {target}")
-            gate = jax.lax.broadcast_to_rank(head_mask[..., None, None], out.ndim)  # (B…, H, 1, 1)
-            out = out * gate.astype(out.dtype)
-
-        out = dense(d_model, "out", self.out_bias)(combine_heads(out))  # (B…, N, d_model)
+        if cache is not None:
+            for name, x in zip(("cached_key", "cached_value", "cache_index"), cache):
+                self.put_variable("cache", name, x)
+        if sow:
+            self.sow("intermediates", "attention_weights", weights)
+        out_features = self.out_features if self.out_features is not None else d_model
+        out = self._dense(out_features, "out", self.out_bias, out=True)(combine_heads(out))  # (B…, N, out)
         return (out, weights) if return_weights else out
 
 
@@ -196,15 +213,18 @@ class FeedForward(nn.Module):
     dropout_rate: float = 0.0
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    precision: Any = None
 
     @nn.compact
     def __call__(self, x: jax.Array, *, deterministic: bool = True) -> jax.Array:
         """`(B…, N, d_model) -> (B…, N, d_model)`."""
-        d_model = x.shape[-1]
-        h = nn.Dense(self.d_ff, dtype=self.dtype, param_dtype=self.param_dtype, name="hidden")(x)
+        dense = lambda features, name: nn.Dense(
+            features, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision, name=name
+        )
+        h = dense(self.d_ff, "hidden")(x)
         h = nn.gelu(h, approximate=False)  # exact GELU, as torch.nn.GELU's default
         h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
-        return nn.Dense(d_model, dtype=self.dtype, param_dtype=self.param_dtype, name="output")(h)
+        return dense(x.shape[-1], "output")(h)
 
 
 class TransformerBlock(nn.Module):
@@ -215,6 +235,11 @@ class TransformerBlock(nn.Module):
     Pre-norm (`pre_norm=True`, trains more stably when deep):
       `x = x + Dropout(MHA(LN(x)))`, `x = x + Dropout(FFN(LN(x)))`.
 
+    Decoding: with `decode=True` the attention keeps a KV cache (see
+    `MultiHeadAttention`); `init` with an input of the maximum length, then apply
+    token by token (or chunk by chunk) with `mutable=["cache"]`. Everything else in
+    the block works per token, so the outputs equal the full causal forward pass.
+
     Attributes:
       num_heads: attention heads H.
       d_ff: feed-forward hidden width.
@@ -223,7 +248,9 @@ class TransformerBlock(nn.Module):
       attention_dropout_rate: dropout on the attention weights.
       pre_norm: LayerNorm before each sub-layer instead of after the residual.
       dtype, param_dtype: computation and parameter dtypes.
+      precision: precision of every projection (attention and feed-forward).
       implementation: attention implementation, see `jax_mha.attention`.
+      decode, normalize_qk, rope, rope_base, sow_weights: as in `MultiHeadAttention`.
     """
 
     num_heads: int
@@ -234,7 +261,13 @@ class TransformerBlock(nn.Module):
     pre_norm: bool = False
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    precision: Any = None
     implementation: str | None = "xla"
+    decode: bool = False
+    normalize_qk: bool = False
+    rope: bool = False
+    rope_base: float = 10000.0
+    sow_weights: bool = False
 
     @nn.compact
     def __call__(
@@ -243,37 +276,50 @@ class TransformerBlock(nn.Module):
         mask: jax.Array | None = None,
         *,
         is_causal: bool = False,
+        bias: jax.Array | None = None,
+        local_window_size: int | tuple[int | None, int | None] | None = None,
+        q_lengths: jax.Array | None = None,
+        kv_lengths: jax.Array | None = None,
+        positions: jax.Array | None = None,
         head_mask: jax.Array | None = None,
         deterministic: bool = True,
+        dropout_rng: jax.Array | None = None,
         return_weights: bool = False,
+        sow_weights: bool = False,
     ):
         """Applies the block.
 
         Args:
           x: `(B…, N, d_model)`.
-          mask: bool, broadcastable to `(B…, H, N, N)`, True = may attend.
-          is_causal: causal self-attention.
-          head_mask: `(H,)` or broadcastable to `(B…, H)`, gates on the heads.
+          mask: bool, broadcastable to `(B…, H, N, N)` (`(B…, H, N, L)` when
+            decoding), True = may attend.
+          is_causal, bias, local_window_size, q_lengths, kv_lengths, positions,
+            head_mask, sow_weights: passed to `MultiHeadAttention` (see there).
           deterministic: disables dropout.
+          dropout_rng: key for the attention weights' dropout (the residual and
+            feed-forward dropouts draw from the "dropout" rng collection).
           return_weights: also return the attention weights `(B…, H, N, N)`.
 
         Returns:
           `(B…, N, d_model)`, or `(y, weights)` with `return_weights=True`.
         """
         mha = MultiHeadAttention(
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            dropout_rate=self.attention_dropout_rate, dtype=self.dtype,
-            param_dtype=self.param_dtype, implementation=self.implementation, name="attention",
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, dropout_rate=self.attention_dropout_rate,
+            dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision,
+            implementation=self.implementation, decode=self.decode, normalize_qk=self.normalize_qk,
+            rope=self.rope, rope_base=self.rope_base, sow_weights=self.sow_weights, name="attention",
         )
         norm1 = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name="norm1")
         norm2 = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name="norm2")
-        ffn = FeedForward(self.d_ff, self.dropout_rate, self.dtype, self.param_dtype, name="ffn")
+        ffn = FeedForward(self.d_ff, self.dropout_rate, self.dtype, self.param_dtype, self.precision, name="ffn")
         drop = lambda y: nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
 
         def attend(y):
             result = mha(
-                y, mask=mask, is_causal=is_causal, head_mask=head_mask,
-                deterministic=deterministic, return_weights=return_weights,
+                y, mask=mask, is_causal=is_causal, bias=bias, local_window_size=local_window_size,
+                q_lengths=q_lengths, kv_lengths=kv_lengths, positions=positions, head_mask=head_mask,
+                deterministic=deterministic, dropout_rng=dropout_rng, return_weights=return_weights,
+                sow_weights=sow_weights,
             )
             return result if return_weights else (result, None)
 

@@ -1,5 +1,6 @@
 """Tests for `jax_mha.modules`: parameter layout and counts, parity with flax's
-`MultiHeadDotProductAttention` and with hand-written compositions of the parameters."""
+`MultiHeadDotProductAttention` and with hand-written compositions of the parameters,
+KV-cache decoding, RoPE, QK-norm and the options passed through to the core."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_mha import MultiHeadAttention, TransformerBlock, attention, causal_mask, padding_mask
+from jax_mha import MultiHeadAttention, TransformerBlock, causal_mask, padding_mask
+from jax_mha._projection import projection_dot_general
 
 # B, N, S, H, D: distinct primes; d_model = H * D.
 B, N, S, H, D = 2, 5, 7, 3, 11
@@ -463,3 +465,246 @@ def test_module_input_errors(rng):
         MultiHeadAttention(num_heads=H, implementation="blockwise").apply(params, x, return_weights=True)
     with pytest.raises(ValueError, match=r"implementation must be one of .*got 'fast'"):
         MultiHeadAttention(num_heads=H, implementation="fast").apply(params, x)
+
+
+# ------------------------------------------------------------- decoding with a cache
+
+
+def decode_variables(model, x, seed=0):
+    """Random parameters and an empty cache, as `model.init(key, x)` would shape them."""
+    shapes = jax.eval_shape(model.init, jax.random.key(0), x)
+    cache = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
+    return randomize(shapes["params"], seed), cache
+
+
+def decode(model, params, cache, x, chunks, **kwargs):
+    """Feeds `x (B, L, d)` chunk by chunk (`chunks`: lengths summing to L); returns
+    the concatenated outputs and the final cache. One jit, one trace per chunk length."""
+    step = jax.jit(lambda c, x: model.apply({"params": params, "cache": c}, x, mutable=["cache"], **kwargs))
+    outs, start = [], 0
+    for n in chunks:
+        y, mutated = step(cache, x[:, start : start + n])
+        cache, start = mutated["cache"], start + n
+        outs.append(y)
+    return jnp.concatenate(outs, axis=1), cache
+
+
+DECODE_CASES = {
+    # name: (module options, call options, dtype, tolerance)
+    "mha_rope_extra_keys": (dict(num_heads=3, rope=True, add_bias_kv=True, add_zero_attn=True), {}, jnp.float32, 1e-5),
+    "gqa_rope_window_bias": (
+        dict(num_heads=6, num_kv_heads=2, rope=True, qkv_bias=True), dict(local_window_size=(2, None)), jnp.float32, 1e-5
+    ),
+    "mqa_rope_qknorm_bf16": (
+        dict(num_heads=6, num_kv_heads=1, rope=True, normalize_qk=True, dtype=jnp.bfloat16), {}, jnp.bfloat16, 3e-2
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decoding_token_by_token_and_in_chunks_equals_causal_forward(rng, case):
+    options, call, dtype, tol = DECODE_CASES[case]
+    L, d = 7, 30 if options["num_heads"] == 3 else 36  # head dim 10 or 6 (RoPE needs it even)
+    x = normal(rng, (B, L, d))
+    params, cache = decode_variables(MultiHeadAttention(decode=True, **options), x)
+    kv_heads = options.get("num_kv_heads", options["num_heads"])
+    chex.assert_shape([cache["cached_key"], cache["cached_value"]], (B, kv_heads, L, d // options["num_heads"]))
+    assert cache["cached_key"].dtype == dtype and cache["cache_index"] == 0
+
+    forward = jax.jit(lambda x: MultiHeadAttention(**options).apply({"params": params}, x, is_causal=True, **call))
+    full = forward(x)
+    decoder = MultiHeadAttention(decode=True, **options)
+    by_token, final = decode(decoder, params, cache, x, [1] * L, **call)
+    in_chunks, chunked_final = decode(decoder, params, cache, x, [3, 3, 1], **call)
+    assert by_token.dtype == full.dtype == dtype and int(final["cache_index"]) == L
+    chex.assert_trees_all_close(by_token.astype(jnp.float32), full.astype(jnp.float32), atol=tol, rtol=tol)
+    chex.assert_trees_all_close(in_chunks.astype(jnp.float32), full.astype(jnp.float32), atol=tol, rtol=tol)
+    chex.assert_trees_all_close(final, chunked_final, atol=tol, rtol=tol)  # the same keys, however fed
+
+
+def test_transformer_block_decoding_equals_causal_forward(rng):
+    L, d = 6, 36
+    x = normal(rng, (B, L, d))
+    options = dict(num_heads=6, d_ff=13, num_kv_heads=3, pre_norm=True, rope=True, normalize_qk=True)
+    params, cache = decode_variables(TransformerBlock(decode=True, **options), x)
+    full = jax.jit(lambda x: TransformerBlock(**options).apply({"params": params}, x, is_causal=True))(x)
+    by_token, _ = decode(TransformerBlock(decode=True, **options), params, cache, x, [1] * L)
+    chex.assert_trees_all_close(by_token, full, atol=1e-5, rtol=1e-5)
+
+
+def test_decoding_past_the_cache(rng):
+    L = 4
+    x = normal(rng, (B, L, D_MODEL))
+    model = MultiHeadAttention(num_heads=H, decode=True)
+    params, cache = decode_variables(model, x)
+    apply = lambda cache, x: model.apply({"params": params, "cache": cache}, x, mutable=["cache"])
+    three_in = {**cache, "cache_index": jnp.array(3, jnp.int32)}
+    msg = "decoding past the cache: cache_index=3 + 2 new tokens > cache length 4"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        apply(three_in, x[:, :2])
+    # Under jit the index is traced: the overflowing call returns NaN, never a silent answer.
+    step = jax.jit(apply)
+    y, mutated = step(three_in, x[:, :1])
+    assert np.all(np.isfinite(y)) and mutated["cache"]["cache_index"] == L
+    y, _ = step(mutated["cache"], x[:, :1])
+    assert np.all(np.isnan(y))
+    with pytest.raises(ValueError, match=re.escape("decoding key of shape (3, 3, 1, 11) does not fit the cache")):
+        apply(cache, normal(rng, (3, 1, D_MODEL)))
+
+
+# -------------------------------------------------------------------------------- RoPE
+
+
+def np_rope(x, positions, base=10000.0):
+    """Rotate-half RoPE in float64: pairs (i, i + D/2) turn by position * base^(-2i/D)."""
+    x = np.asarray(x, np.float64)
+    half = x.shape[-1] // 2
+    angle = np.asarray(positions, np.float64)[:, None] * base ** (-2.0 * np.arange(half) / x.shape[-1])
+    cos, sin = np.cos(angle), np.sin(angle)
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def test_rope_matches_float64_reference_and_sees_only_offsets(rng, np_attention):
+    x = normal(rng, (B, N, 30))  # H = 3, D = 10
+    model = MultiHeadAttention(num_heads=3, rope=True, rope_base=100.0)
+    params = init_params(model, x)
+    out, weights = model.apply(params, x, is_causal=True, return_weights=True)
+
+    p = params["params"]
+    heads = lambda name: np.asarray(x, np.float64) @ np.asarray(p[name]["kernel"], np.float64)
+    split = lambda a: a.reshape(B, N, 3, 10).swapaxes(1, 2)  # (B, H, N, D)
+    q, k = (np_rope(split(heads(n)), np.arange(N), base=100.0) for n in ("query", "key"))
+    ref_out, ref_w = np_attention(q, k, split(heads("value")), causal_mask(N))
+    ref_out = ref_out.swapaxes(1, 2).reshape(B, N, 30) @ np.asarray(p["out"]["kernel"]) + np.asarray(p["out"]["bias"])
+    np.testing.assert_allclose(weights, ref_w, atol=2e-5)
+    np.testing.assert_allclose(out, ref_out, atol=2e-5)
+
+    # Shifting every position by one offset leaves the logits (so the weights) unchanged
+    # (up to float32 angles: the rotations themselves change a lot)...
+    shifted, w_shifted = model.apply(params, x, is_causal=True, return_weights=True, positions=np.arange(N) + 997)
+    np.testing.assert_allclose(w_shifted, weights, atol=1e-4)
+    np.testing.assert_allclose(shifted, out, rtol=1e-4, atol=1e-4)
+    # ...while changing the spacing changes them, and RoPE differs from no RoPE.
+    _, w_spread = model.apply(params, x, is_causal=True, return_weights=True, positions=np.arange(N) * 3)
+    _, w_plain = MultiHeadAttention(num_heads=3).apply(params, x, is_causal=True, return_weights=True)
+    assert not np.allclose(w_spread, weights, atol=1e-3) and not np.allclose(w_plain, weights, atol=1e-3)
+
+
+# ------------------------------------------------------- options passed to the core
+
+
+def test_bias_window_and_lengths_through_the_module(rng, np_attention):
+    x = normal(rng, (B, N, D_MODEL))
+    model = MultiHeadAttention(num_heads=H, qkv_bias=True)
+    params = init_params(model, x)
+    alibi = -0.5 * np.abs(np.arange(N)[:, None] - np.arange(N)[None, :]) * np.array([1.0, 2.0, 3.0])[:, None, None]
+    q_lengths, kv_lengths = np.array([N, 3]), np.array([4, N])
+    # The core's q_lengths path broadcasts (N,) against (B, 1, 1) implicitly, which the
+    # suite's rank-promotion="raise" refuses (reported to the core's owner).
+    with jax.numpy_rank_promotion("allow"):
+        out, weights = model.apply(
+            params, x, bias=jnp.asarray(alibi, jnp.float32), local_window_size=(1, 2), q_lengths=q_lengths,
+            kv_lengths=kv_lengths, return_weights=True,
+        )
+    i, j = np.arange(N)[:, None], np.arange(N)[None, :]
+    allowed = (j >= i - 1) & (j <= i + 2) & (j[None] < kv_lengths[:, None, None])  # (B, N, N)
+    ref, ref_w = np_mha(params["params"], x, x, x, H, H, lambda q, k, v, m: np_attention(q, k, v, m, alibi),
+                        allowed[:, None])
+    valid_rows = np.arange(N)[None, :, None] < q_lengths[:, None, None]  # rows past q_lengths: attention 0
+    out_bias = np.asarray(params["params"]["out"]["bias"])
+    np.testing.assert_allclose(out, np.where(valid_rows, ref, out_bias), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(weights, np.where(valid_rows[:, None], ref_w, 0.0), atol=1e-6)
+
+
+def test_extra_keys_of_pytorch_match_numpy(rng, np_attention):
+    """add_bias_kv and add_zero_attn: two more keys every query sees (PyTorch's layer)."""
+    x = normal(rng, (B, N, D_MODEL))
+    model = MultiHeadAttention(num_heads=H, qkv_bias=True, add_bias_kv=True, add_zero_attn=True)
+    params = init_params(model, x)
+    p = params["params"]
+    assert p["bias_k"].shape == p["bias_v"].shape == (D_MODEL,)
+    out, weights = model.apply(params, x, is_causal=True, return_weights=True)
+    chex.assert_shape(weights, (B, H, N, N + 2))
+
+    dense = lambda name: np.asarray(x, np.float64) @ np.asarray(p[name]["kernel"]) + np.asarray(p[name]["bias"])
+    split = lambda a: a.reshape(*a.shape[:-1], H, D).swapaxes(-3, -2)  # (B, H, len, D)
+    extra = lambda name: np.broadcast_to(split(np.stack([np.asarray(p[name]), np.zeros(D_MODEL)])), (B, H, 2, D))
+    k = np.concatenate([split(dense("key")), extra("bias_k")], axis=-2)  # extra keys last, as torch
+    v = np.concatenate([split(dense("value")), extra("bias_v")], axis=-2)
+    mask = np.concatenate([np.asarray(causal_mask(N)), np.ones((N, 2), bool)], axis=-1)
+    ref_out, ref_w = np_attention(split(dense("query")), k, v, mask)
+    ref_out = ref_out.swapaxes(1, 2).reshape(B, N, D_MODEL) @ np.asarray(p["out"]["kernel"]) + np.asarray(p["out"]["bias"])
+    np.testing.assert_allclose(weights, ref_w, atol=1e-6)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="local_window_size cannot be combined with add_bias_kv"):
+        model.apply(params, x, local_window_size=2)
+
+
+def test_dropout_rng_argument_and_sown_weights(rng):
+    x = normal(rng, (B, N, D_MODEL))
+    model = MultiHeadAttention(num_heads=H, dropout_rate=0.3)
+    params = init_params(model, x)
+    key = jax.random.key(7)
+    by_arg, w = model.apply(params, x, deterministic=False, dropout_rng=key, return_weights=True)
+    # The argument needs no "dropout" rng collection and takes precedence over one (as in flax).
+    with_rngs = model.apply(params, x, deterministic=False, dropout_rng=key, rngs={"dropout": jax.random.key(9)})
+    np.testing.assert_array_equal(by_arg, with_rngs)
+    assert np.mean(np.asarray(w) == 0) > 0.1  # dropped out
+    assert not np.allclose(by_arg, model.apply(params, x, deterministic=False, dropout_rng=jax.random.key(8)))
+
+    _, state = model.apply(params, x, deterministic=False, dropout_rng=key, sow_weights=True,
+                           mutable=["intermediates"])
+    np.testing.assert_array_equal(state["intermediates"]["attention_weights"][0], w)
+    block = TransformerBlock(num_heads=H, d_ff=13, sow_weights=True)
+    block_params = init_params(block, x)
+    y, state = block.apply(block_params, x, is_causal=True, mutable=["intermediates"])
+    (sown,) = state["intermediates"]["attention"]["attention_weights"]
+    np.testing.assert_array_equal(sown, block.apply(block_params, x, is_causal=True, return_weights=True)[1])
+
+
+def test_out_features_initialisers_and_precision(rng):
+    x = normal(rng, (B, N, D_MODEL))
+    model = MultiHeadAttention(
+        num_heads=H, out_features=17, out_kernel_init=nn.initializers.constant(0.5),
+        out_bias_init=nn.initializers.constant(-2.0), precision=jax.lax.Precision.HIGHEST,
+    )
+    params = jax.jit(model.init)(jax.random.key(0), x)["params"]
+    assert params["out"]["kernel"].shape == (D_MODEL, 17) and params["query"]["kernel"].shape == (D_MODEL, D_MODEL)
+    np.testing.assert_array_equal(params["out"]["kernel"], 0.5)
+    np.testing.assert_array_equal(params["out"]["bias"], -2.0)
+    assert np.std(params["query"]["kernel"]) > 0.05  # the default kernel_init elsewhere
+    chex.assert_shape(model.apply({"params": params}, x), (B, N, 17))
+    jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, x))(params)
+    precisions = [e.params["precision"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(precisions) == 4 and all(p == (jax.lax.Precision.HIGHEST,) * 2 for p in precisions)
+
+
+def test_forward_mode_autodiff_through_the_module(rng):
+    """jvp agrees with vjp: <w, J t> computed both ways (no custom_vjp in the way)."""
+    x, t, w = normal(rng, (B, N, D_MODEL)), normal(rng, (B, N, D_MODEL)), normal(rng, (B, N, D_MODEL))
+    model = MultiHeadAttention(num_heads=H)
+    params = init_params(model, x)
+    f = lambda x: model.apply(params, x, is_causal=True)
+    forward_mode = jax.jit(lambda x, t: jnp.sum(w * jax.jvp(f, (x,), (t,))[1]))
+    reverse_mode = jax.jit(lambda x, t: jnp.sum(jax.vjp(f, x)[1](w)[0] * t))
+    np.testing.assert_allclose(forward_mode(x, t), reverse_mode(x, t), rtol=1e-4)
+
+
+# ---------------------------------------------------- the projections' custom gradient
+
+
+def test_projection_dot_general_value_and_derivatives_equal_autodiff(rng):
+    """The CPU fast-gradient matmul of the Dense layers is `dot_general` to rounding, in
+    value, reverse mode (dx and dw), forward mode and second order."""
+    x, w, t_x, t_w = normal(rng, (B, N, 7)), normal(rng, (7, 11)), normal(rng, (B, N, 7)), normal(rng, (7, 11))
+    dims = (((2,), (0,)), ((), ()))
+    ours = lambda x, w: jnp.sum(jnp.sin(projection_dot_general(x, w, dims)))
+    plain = lambda x, w: jnp.sum(jnp.sin(jax.lax.dot_general(x, w, dims)))
+    assert jax.default_backend() != "cpu" or "custom_jvp" in str(jax.make_jaxpr(ours)(x, w))
+    chex.assert_trees_all_close(ours(x, w), plain(x, w), rtol=1e-6)
+    chex.assert_trees_all_close(jax.grad(ours, (0, 1))(x, w), jax.grad(plain, (0, 1))(x, w), rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(jax.grad(ours, 1)(x, w), jax.grad(plain, 1)(x, w), rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(jax.jvp(ours, (x, w), (t_x, t_w)), jax.jvp(plain, (x, w), (t_x, t_w)), rtol=1e-5)
+    hvp = lambda f: jax.jvp(jax.grad(f, 1), (x, w), (t_x, t_w))[1]  # forward-over-reverse
+    chex.assert_trees_all_close(hvp(ours), hvp(plain), rtol=1e-4, atol=1e-4)

@@ -1,0 +1,200 @@
+"""Tests for `jax_mha.interop`: PyTorch and flax weights in and out.
+
+The round trips and mask conversions need no torch. The parity tests against
+`torch.nn.MultiheadAttention` import torch and skip with a reason when it is absent
+(`pip install -e ".[torch]"` installs the pinned CPU build).
+"""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_mha import MultiHeadAttention, causal_mask, from_flax, from_torch_state_dict, mask_from_torch, to_flax
+from jax_mha import to_torch_state_dict
+
+# B, N, S, H, D: distinct primes; E = H * D.
+B, N, S, H, D = 2, 5, 7, 3, 4
+E = H * D
+
+
+def normal(rng, shape):
+    return (0.5 * rng.standard_normal(shape)).astype(np.float32)
+
+
+def torch_like_state_dict(rng, *, kdim=E, vdim=E, bias=True, add_bias_kv=False):
+    """Random arrays with `torch.nn.MultiheadAttention.state_dict()`'s names and shapes."""
+    sd = {}
+    if kdim == vdim == E:
+        sd["in_proj_weight"] = normal(rng, (3 * E, E))
+    else:
+        sd.update(q_proj_weight=normal(rng, (E, E)), k_proj_weight=normal(rng, (E, kdim)),
+                  v_proj_weight=normal(rng, (E, vdim)))
+    if bias:
+        sd["in_proj_bias"] = normal(rng, (3 * E,))
+    sd["out_proj.weight"] = normal(rng, (E, E))
+    if bias:
+        sd["out_proj.bias"] = normal(rng, (E,))
+    if add_bias_kv:
+        sd.update(bias_k=normal(rng, (1, 1, E)), bias_v=normal(rng, (1, 1, E)))
+    return sd
+
+
+# ------------------------------------------------------------------ torch, no torch needed
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(kdim=11, vdim=13), dict(bias=False, add_bias_kv=True)])
+def test_torch_state_dict_round_trips_exactly(rng, layout):
+    sd = torch_like_state_dict(rng, **layout)
+    params = from_torch_state_dict({"attn." + k: v for k, v in sd.items()}, prefix="attn.")
+    assert params["query"]["kernel"].shape == (E, E)
+    assert params["key"]["kernel"].shape == (layout.get("kdim", E), E)  # torch's (out, in), transposed
+    np.testing.assert_array_equal(params["out"]["kernel"], sd["out_proj.weight"].T)
+    back = to_torch_state_dict(params)
+    assert back.keys() == sd.keys()
+    for name in sd:
+        np.testing.assert_array_equal(back[name], sd[name], err_msg=name)
+    # ours -> torch -> ours, and the arrays are copies, not views of the input.
+    again = from_torch_state_dict(back)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, again, params)
+    back["out_proj.weight"][:] = 0
+    assert np.any(params["out"]["kernel"] != 0)
+
+
+def test_torch_conversion_errors(rng):
+    sd = torch_like_state_dict(rng)
+    with pytest.raises(ValueError, match=re.escape("unexpected keys ['in_proj.weight']")):
+        from_torch_state_dict({**sd, "in_proj.weight": sd["in_proj_weight"]})
+    with pytest.raises(ValueError, match=re.escape("missing keys ['out_proj.weight']")):
+        from_torch_state_dict({"in_proj_weight": sd["in_proj_weight"]})
+    params = from_torch_state_dict(sd)
+    gqa = {**params, "key": {"kernel": params["key"]["kernel"][:, :D], "bias": params["key"]["bias"][:D]}}
+    with pytest.raises(ValueError, match="no grouped-query attention"):
+        to_torch_state_dict(gqa)
+    with pytest.raises(ValueError, match="one `bias` flag"):
+        to_torch_state_dict({**params, "out": {"kernel": params["out"]["kernel"]}})
+    with pytest.raises(ValueError, match=re.escape("no parameters like ['key_ln', 'query_ln']")):
+        to_torch_state_dict({**params, "query_ln": {"scale": np.ones(D)}, "key_ln": {"scale": np.ones(D)}})
+    wide = {**params, "out": {"kernel": np.ones((E, 5)), "bias": np.ones(5)}}
+    with pytest.raises(ValueError, match="query and output widths equal to embed_dim=12"):
+        to_torch_state_dict(wide)
+
+
+def test_mask_from_torch_conventions():
+    blocked = np.array([[False, True, True], [False, False, True]])  # (N=2, S=3), torch: True = blocked
+    mask, bias = mask_from_torch(blocked)
+    np.testing.assert_array_equal(mask, ~blocked)
+    assert bias is None
+    additive = np.where(blocked, -np.inf, 0.5).astype(np.float32)
+    padding = np.array([[False, False, True], [False, False, False]])  # (B=2, S=3)
+    mask, bias = mask_from_torch(additive, padding)
+    np.testing.assert_array_equal(mask, ~padding[:, None, None, :])  # (B, 1, 1, S)
+    np.testing.assert_array_equal(bias, additive)
+    per_head = np.arange(2 * 3 * 2 * 3).reshape(6, 2, 3) % 2 == 0  # (B*H, N, S) with H = 3
+    mask, _ = mask_from_torch(per_head, padding, num_heads=3)
+    np.testing.assert_array_equal(mask, ~per_head.reshape(2, 3, 2, 3) & ~padding[:, None, None, :])
+    with pytest.raises(ValueError, match=re.escape("pass a num_heads that divides 6, got num_heads=4")):
+        mask_from_torch(per_head, num_heads=4)
+    with pytest.raises(TypeError, match="complex"):
+        mask_from_torch(np.ones((2, 3), np.complex64))
+
+
+# -------------------------------------------------------------- torch parity (needs torch)
+
+
+def torch_cases():
+    return {
+        "self": (dict(), dict(), "self"),
+        "causal_no_bias": (dict(bias=False), dict(), "causal"),
+        "cross_kdim_vdim_padded": (dict(kdim=11, vdim=13), dict(), "padded"),
+        "bias_kv_zero_attn_float_mask": (dict(add_bias_kv=True, add_zero_attn=True), dict(), "float+padded"),
+    }
+
+
+@pytest.mark.parametrize("case", list(torch_cases()))
+def test_outputs_equal_torch_multihead_attention(rng, case):
+    torch = pytest.importorskip("torch", reason="PyTorch is optional: pip install -e '.[torch]'")
+    options, _, masks = torch_cases()[case]
+    torch.manual_seed(0)
+    layer = torch.nn.MultiheadAttention(E, H, batch_first=True, **options).eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.4)  # also the zero-initialised biases
+    params = from_torch_state_dict({k: v.numpy() for k, v in layer.state_dict().items()})
+    cross = "kdim" in options
+    query = normal(rng, (B, N, E))
+    key, value = (normal(rng, (B, S, options.get("kdim", E))), normal(rng, (B, S, options.get("vdim", E)))) \
+        if cross else (query, query)
+    length = S if cross else N
+    attn_mask = key_padding_mask = None
+    if masks in ("causal", "float+padded"):
+        attn_mask = ~np.asarray(causal_mask(N, length))  # torch: True = blocked
+    if masks == "float+padded":
+        attn_mask = np.where(attn_mask, -np.inf, 0.1 * rng.standard_normal((N, length))).astype(np.float32)
+    if masks in ("padded", "float+padded"):
+        key_padding_mask = np.arange(length)[None] >= np.array([[length], [3]])
+    if masks == "float+padded":
+        key_padding_mask = np.where(key_padding_mask, -np.inf, 0.0).astype(np.float32)  # torch wants one type
+
+    as_tensor = lambda x: None if x is None else torch.from_numpy(np.ascontiguousarray(x))
+    with torch.no_grad():
+        expected, expected_w = layer(as_tensor(query), as_tensor(key), as_tensor(value), attn_mask=as_tensor(attn_mask),
+                                     key_padding_mask=as_tensor(key_padding_mask), average_attn_weights=False)
+    bias = options.get("bias", True)
+    model = MultiHeadAttention(num_heads=H, qkv_bias=bias, out_bias=bias, add_bias_kv=options.get("add_bias_kv", False),
+                               add_zero_attn=options.get("add_zero_attn", False))
+    mask, additive = mask_from_torch(attn_mask, key_padding_mask)
+    out, weights = model.apply({"params": params}, query, key, value, mask, bias=additive, return_weights=True)
+    np.testing.assert_allclose(out, expected.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(weights, expected_w.numpy(), rtol=1e-5, atol=1e-5)
+
+
+# -------------------------------------------------------------------------------- flax
+
+
+def test_from_flax_equals_multi_head_dot_product_attention_with_qk_norm(rng):
+    query, memory = normal(rng, (B, N, 11)), normal(rng, (B, S, 13))
+    mask = np.asarray(rng.random((B, 1, N, S)) < 0.7)
+    mask[..., 0] = True  # flax gives uniform weights to fully masked rows, we give zeros
+    ref = nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=E, out_features=17, normalize_qk=True)
+    shapes = jax.eval_shape(ref.init, jax.random.key(0), query, memory)["params"]
+    flax_params = jax.tree_util.tree_map(lambda s: normal(rng, s.shape) + (s.shape == (D,)), shapes)
+    expected = jax.jit(lambda p: ref.apply({"params": p}, query, memory, mask=mask))(flax_params)
+
+    params = from_flax(flax_params)
+    assert params["query"]["kernel"].shape == (11, E) and params["out"]["kernel"].shape == (E, 17)
+    model = MultiHeadAttention(num_heads=H, d_model=E, qkv_bias=True, out_features=17, normalize_qk=True)
+    out = jax.jit(lambda p: model.apply({"params": p}, query, memory, mask=mask))(params)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    back = to_flax(params, num_heads=H)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, back, flax_params)
+
+
+def test_from_flax_nnx_grouped_query_attention(rng):
+    x = normal(rng, (B, N, E))
+    ref = nnx.MultiHeadAttention(num_heads=6, in_features=E, qkv_features=24, num_kv_heads=2, decode=False,
+                                 rngs=nnx.Rngs(0))
+    params = from_flax(nnx.to_pure_dict(nnx.state(ref, nnx.Param)))
+    assert params["key"]["kernel"].shape == (E, 8)  # 2 kv heads of D = 4
+    model = MultiHeadAttention(num_heads=6, d_model=24, num_kv_heads=2, qkv_bias=True, out_features=E)
+    expected = nnx.jit(lambda m: m(x))(ref)
+    np.testing.assert_allclose(jax.jit(lambda p: model.apply({"params": p}, x))(params), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_flax_conversion_errors(rng):
+    params = from_flax({name: {"kernel": np.ones((E, H, D) if name != "out" else (H, D, E))}
+                        for name in ("query", "key", "value", "out")})
+    with pytest.raises(ValueError, match=re.escape("query kernel width 12 is not divisible by num_heads=5")):
+        to_flax(params, num_heads=5)
+    with pytest.raises(ValueError, match="one `use_bias` flag"):
+        to_flax({**params, "out": {"kernel": params["out"]["kernel"], "bias": np.ones(E)}}, num_heads=H)
+    with pytest.raises(ValueError, match=re.escape("flax query/kernel must be 3-D (DenseGeneral), got shape (12, 12)")):
+        from_flax({**params, "query": {"kernel": np.ones((E, E))}})
+    with pytest.raises(ValueError, match=re.escape("unexpected keys ['bias_k']")):
+        to_flax({**params, "bias_k": np.ones(E)}, num_heads=H)

@@ -1,0 +1,112 @@
+"""Tests for `jax_mha.nnx`: the NNX twins equal the linen modules on identical weights,
+decode with their cache, sow, drop out, and convert parameters both ways."""
+
+from __future__ import annotations
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jax_mha
+from jax_mha import nnx as jnnx
+
+# B, N, d_model: primes where they can be; H=6 heads of D=6 (RoPE needs D even).
+B, N, D_MODEL, H = 2, 5, 36, 6
+
+
+def normal(rng, shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+
+def randomize(module, seed=0):
+    """Fresh N(0, 0.3²) parameters in place (zero-initialised biases then matter)."""
+    rng = np.random.default_rng(seed)
+    params = jax.tree_util.tree_map(lambda a: 0.3 * rng.standard_normal(a.shape), jnnx.to_linen_params(module))
+    return jnnx.from_linen_params(module, params)
+
+
+MHA_OPTIONS = dict(num_kv_heads=2, qkv_bias=True, normalize_qk=True, rope=True, add_bias_kv=True,
+                   add_zero_attn=True, out_features=7)
+
+
+def test_multi_head_attention_equals_linen_on_identical_weights(rng):
+    query, memory = normal(rng, (B, N, D_MODEL)), normal(rng, (B, 11, 13))
+    ours = randomize(jnnx.MultiHeadAttention(H, D_MODEL, in_kv_features=13, rngs=nnx.Rngs(0), **MHA_OPTIONS))
+    linen = jax_mha.MultiHeadAttention(num_heads=H, **MHA_OPTIONS)
+    params = jnnx.to_linen_params(ours)
+    expected_shapes = jax.eval_shape(linen.init, jax.random.key(0), query, memory)["params"]
+    chex.assert_trees_all_equal_shapes(params, expected_shapes)
+
+    kv_lengths = jnp.array([11, 6])
+    # One jit each: cheaper than running every primitive of this many options un-jitted.
+    out, weights = nnx.jit(lambda m: m(query, memory, kv_lengths=kv_lengths, return_weights=True))(ours)
+    ref, ref_w = jax.jit(lambda p: linen.apply({"params": p}, query, memory, kv_lengths=kv_lengths,
+                                               return_weights=True))(params)
+    chex.assert_trees_all_close((out, weights), (ref, ref_w), atol=1e-6, rtol=1e-6)
+    chex.assert_shape(out, (B, N, 7))
+
+
+@pytest.mark.parametrize("pre_norm", [False, True])
+def test_transformer_block_equals_linen_and_loads_linen_weights(rng, pre_norm):
+    x = normal(rng, (B, N, D_MODEL))
+    linen = jax_mha.TransformerBlock(num_heads=H, d_ff=13, num_kv_heads=3, pre_norm=pre_norm, rope=True)
+    shapes = jax.eval_shape(linen.init, jax.random.key(0), x)["params"]
+    params = jax.tree_util.tree_map(lambda s: 0.3 * rng.standard_normal(s.shape), shapes)
+    block = jnnx.TransformerBlock(D_MODEL, H, 13, num_kv_heads=3, pre_norm=pre_norm, rope=True, rngs=nnx.Rngs(1))
+    jnnx.from_linen_params(block, params)
+    np.testing.assert_allclose(
+        nnx.jit(lambda m: m(x, is_causal=True))(block),
+        jax.jit(lambda p: linen.apply({"params": p}, x, is_causal=True))(params), rtol=1e-5, atol=1e-5,
+    )
+
+
+def test_decoding_token_by_token_equals_causal_forward(rng):
+    x = normal(rng, (B, N, D_MODEL))
+    options = dict(num_kv_heads=2, rope=True, normalize_qk=True, rngs=nnx.Rngs(0))
+    full = randomize(jnnx.MultiHeadAttention(H, D_MODEL, **options))
+    decoder = jnnx.MultiHeadAttention(H, D_MODEL, decode=True, **options)
+    jnnx.from_linen_params(decoder, jnnx.to_linen_params(full))
+    with pytest.raises(ValueError, match=re.escape("decode=True needs a cache: call init_cache(input_shape) first")):
+        decoder(x[:, :1])
+    decoder.init_cache(x.shape)
+    chex.assert_shape(decoder.cached_key[...], (B, 2, N, D_MODEL // H))  # (B, K, L, D)
+
+    step = nnx.jit(lambda m, token: m(token))
+    by_token = jnp.concatenate([step(decoder, x[:, t : t + 1]) for t in range(N)], axis=1)
+    np.testing.assert_allclose(by_token, nnx.jit(lambda m, x: m(x, is_causal=True))(full, x), rtol=1e-5, atol=1e-5)
+    assert int(decoder.cache_index[...]) == N
+    with pytest.raises(ValueError, match="decoding past the cache"):
+        decoder(x[:, :1])
+
+
+def test_sown_weights_and_dropout(rng):
+    x = normal(rng, (B, N, D_MODEL))
+    model = jnnx.MultiHeadAttention(H, D_MODEL, dropout_rate=0.5, sow_weights=True, rngs=nnx.Rngs(0))
+    (plain, weights), sown = nnx.capture(model, nnx.Intermediate)(x, return_weights=True)  # no dropout before train()
+    np.testing.assert_array_equal(sown["attention_weights"][0], weights)
+    model.sow_weights = False  # sowing outside nnx.capture is deprecated in flax
+
+    model.train()
+    dropped = model(x)
+    assert not np.allclose(dropped, plain, atol=1e-3)
+    key = jax.random.key(3)
+    np.testing.assert_array_equal(model(x, dropout_rng=key), model(x, dropout_rng=key))
+    model.eval()
+    np.testing.assert_array_equal(model(x, return_weights=True)[0], plain)
+
+
+def test_parameter_conversion_errors():
+    model = jnnx.MultiHeadAttention(H, D_MODEL, rngs=nnx.Rngs(0))
+    params = jnnx.to_linen_params(model)
+    params["query"]["kernel"] = params["query"]["kernel"][:, :-1]
+    with pytest.raises(ValueError, match=r"\['query'\]\['kernel'\]"):
+        jnnx.from_linen_params(model, params)
+    with pytest.raises(ValueError, match=re.escape("key has 7 features, the module was built for 36")):
+        model(jnp.ones((B, N, D_MODEL)), jnp.ones((B, 3, 7)))
+    with pytest.raises(ValueError, match=re.escape("num_heads=6 is not divisible by num_kv_heads=4")):
+        jnnx.MultiHeadAttention(H, D_MODEL, num_kv_heads=4, rngs=nnx.Rngs(0))
