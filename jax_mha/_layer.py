@@ -95,11 +95,7 @@ def rotate(q, k, positions, start, base: float):
         q_pos = k_pos = start + jnp.arange(n)
     else:
         q_pos, k_pos = jnp.arange(s - n, s), jnp.arange(s)
-    # rotary_embedding multiplies (…, N, 1) positions by (D/2,) frequencies, a rank
-    # promotion that jax_numpy_rank_promotion="raise" (the tests' setting) refuses;
-    # allowed here until the core broadcasts explicitly.
-    with jax.numpy_rank_promotion("allow"):
-        return rotary_embedding(q, q_pos, base), rotary_embedding(k, k_pos, base)
+    return rotary_embedding(q, q_pos, base), rotary_embedding(k, k_pos, base)
 
 
 def _concrete_int(x) -> int | None:

@@ -600,13 +600,10 @@ def test_bias_window_and_lengths_through_the_module(rng, np_attention):
     params = init_params(model, x)
     alibi = -0.5 * np.abs(np.arange(N)[:, None] - np.arange(N)[None, :]) * np.array([1.0, 2.0, 3.0])[:, None, None]
     q_lengths, kv_lengths = np.array([N, 3]), np.array([4, N])
-    # The core's q_lengths path broadcasts (N,) against (B, 1, 1) implicitly, which the
-    # suite's rank-promotion="raise" refuses (reported to the core's owner).
-    with jax.numpy_rank_promotion("allow"):
-        out, weights = model.apply(
-            params, x, bias=jnp.asarray(alibi, jnp.float32), local_window_size=(1, 2), q_lengths=q_lengths,
-            kv_lengths=kv_lengths, return_weights=True,
-        )
+    out, weights = model.apply(
+        params, x, bias=jnp.asarray(alibi, jnp.float32), local_window_size=(1, 2), q_lengths=q_lengths,
+        kv_lengths=kv_lengths, return_weights=True,
+    )
     i, j = np.arange(N)[:, None], np.arange(N)[None, :]
     allowed = (j >= i - 1) & (j <= i + 2) & (j[None] < kv_lengths[:, None, None])  # (B, N, N)
     ref, ref_w = np_mha(params["params"], x, x, x, H, H, lambda q, k, v, m: np_attention(q, k, v, m, alibi),
