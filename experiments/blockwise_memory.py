@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="measure every row again instead of resuming")
     p.add_argument("--plot-only", action="store_true", help="measure nothing: redraw the plot from the existing --out JSON")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # internal: one measurement
+    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # internal: the child dies with it
     return p
 
 
@@ -120,6 +121,8 @@ def _self_rss_gib() -> float:
 
 def run_child(args: argparse.Namespace) -> None:
     """Compiles and runs forward+backward once; prints one RESULT line of JSON."""
+    if args.parent_pid is not None:
+        _die_with_parent(args.parent_pid)
     import jax
     import jax.numpy as jnp
 
@@ -187,13 +190,17 @@ def _available_gib() -> float:
     return float("inf")
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL it when the parent dies (Linux), so a
-    measuring process never outlives the run, whatever ends the parent."""
+def _die_with_parent(parent_pid: int) -> None:
+    """In the child: be SIGKILLed when the parent dies (Linux), so a measuring
+    process never outlives the run, whatever ends the parent. Set here rather than
+    in a preexec_fn, which is unsafe once the parent runs XLA threads; a parent that
+    died before this call is caught by the getppid check."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass  # not Linux: the parent's finally-kill still covers Ctrl-C
+        pass  # not Linux: the parent's kill on Ctrl-C still covers the common case
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
 
 def _child_cmd(args: argparse.Namespace, n: int, impl: str) -> list[str]:
@@ -202,6 +209,7 @@ def _child_cmd(args: argparse.Namespace, n: int, impl: str) -> list[str]:
         "--lengths", str(n), "--implementations", impl,
         "--batch", str(args.batch), "--heads", str(args.heads), "--head-dim", str(args.head_dim),
         "--query-block-size", str(args.query_block_size), "--key-block-size", str(args.key_block_size),
+        "--parent-pid", str(os.getpid()),
     ] + (["--causal"] if args.causal else [])
 
 
@@ -257,7 +265,7 @@ def measure(args: argparse.Namespace, n: int, impl: str) -> dict:
     this process is interrupted."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()
-        proc = subprocess.Popen(_child_cmd(args, n, impl), stdout=out, stderr=err, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(_child_cmd(args, n, impl), stdout=out, stderr=err)
         try:
             status, usage, killed_for, polled_peak = _watch(proc, args)
         finally:

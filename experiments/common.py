@@ -193,10 +193,10 @@ def full() -> AblationConfig:
 
 
 def tiny() -> AblationConfig:
-    """A smoke test in seconds (tests use it): L=3, d_model=12, 2 and 3 heads."""
-    return _copy_preset(3, 12, TrainConfig(batch_size=8, num_steps=50, learning_rate=3e-3, warmup_steps=5,
-                                           steps_per_call=25, eval_every=25, eval_size=16),
-                        heads=(2, 3), num_seeds=2, num_symbols=5, analysis_heads=3)
+    """A smoke test in seconds (tests use it): L=3, d_model=8, one layer, 2 and 4 heads."""
+    return _copy_preset(3, 8, TrainConfig(batch_size=8, num_steps=50, learning_rate=3e-3, warmup_steps=5,
+                                          steps_per_call=25, eval_every=25, eval_size=16),
+                        heads=(2, 4), num_seeds=2, num_symbols=5, analysis_heads=4, num_layers=1)
 
 
 PRESETS: dict[str, Callable[[], AblationConfig]] = {"quick": quick, "full": full, "tiny": tiny}
@@ -207,7 +207,7 @@ def describe_preset(cfg: AblationConfig) -> str:
     """One line with every value a preset sets."""
     t, m, tr = cfg.task, cfg.model, cfg.train
     return (f"copy L={t.length} ({t.num_symbols} symbols; sequences of {2 * t.length + 3} tokens, the model reads "
-            f"T={t.seq_len}), d_model={m.d_model}, d_ff={m.d_ff}, {m.num_layers} layers, heads "
+            f"T={t.seq_len}), d_model={m.d_model}, d_ff={m.d_ff}, {m.num_layers} layer(s), heads "
             f"{' '.join(map(str, cfg.heads))} (analysed: {cfg.analysis_heads}), {cfg.num_seeds} seeds from "
             f"{cfg.seed}, batch {tr.batch_size}, <= {tr.num_steps} steps, lr {tr.learning_rate:g}, warmup "
             f"{tr.warmup_steps}, eval every {tr.eval_every} steps on {tr.eval_size} sequences, early stop at "
@@ -317,15 +317,14 @@ class TrainingBar:
     """A tqdm bar over optimizer steps fed by `train_seeds`' callback; early stopping
     closes it at 100% with "stopped at step S: target reached" (no stale ETA)."""
 
-    def __init__(self, total: int, desc: str, disable: bool, start: int = 0):
+    def __init__(self, total: int, desc: str, disable: bool):
         from tqdm.auto import tqdm
 
-        self.desc, self.saved_step, self.closed = desc, start, False
-        self.bar = tqdm(total=total, initial=start, desc=desc, unit="step", disable=disable, leave=True)
+        self.desc, self.closed = desc, False
+        self.bar = tqdm(total=total, desc=desc, unit="step", disable=disable, leave=True)
 
     def __call__(self, report: dict) -> None:
         if "eval" in report:
-            self.saved_step = report["step"]
             self.bar.set_postfix(loss=f"{report['loss']:.4f}",
                                  heldout=f"{float(np.mean(report['eval']['token_accuracy'])):.3f}")
         self.bar.update(report["step"] - self.bar.n)
@@ -431,7 +430,8 @@ def model_spec(args) -> ModelSpec:
 
 
 def describe_model(model: ModelConfig, task) -> str:
-    return (f"{model.num_layers} layers x {model.num_heads} heads, d_model={model.d_model}, copy L={task.length}"
+    layers = f"{model.num_layers} layer{'s' if model.num_layers > 1 else ''}"
+    return (f"{layers} x {model.num_heads} heads, d_model={model.d_model}, copy L={task.length}"
             f"{' reversed' if task.reverse else ''} (T={task.seq_len})")
 
 
@@ -510,7 +510,8 @@ def train_model(spec: ModelSpec, out: Path, progress: bool) -> StudyModel:
         result = train_seeds(spec.model, spec.ablation.task, spec.ablation.train, [spec.seed], callback=bar,
                              state_file=state_file)
     except KeyboardInterrupt:
-        raise Interrupted(f"training is saved at step {bar.saved_step} in {state_file}") from None
+        saved = f"training is saved in {state_file}" if state_file.exists() else "training had not reached its first save"
+        raise Interrupted(saved) from None
     finally:
         bar.close()
     params = jax.tree.map(lambda x: x[0], result.state.params)

@@ -10,8 +10,8 @@ accuracy and per-head attention entropy.
 
 Results go to --out (default results/head_ablation/<preset>/): results.json,
 summary.md, learning_curves.png, accuracy_vs_heads.png, entropy_per_head.png, and one
-checkpoint per trained model in checkpoints/h{H}_seed{S}.msgpack. They are written
-after every head count; while a head count trains, its state (parameters, optimizer,
+checkpoint per trained model in checkpoints/h{H}_seed{S}.msgpack. Results and
+checkpoints are written after every head count, the plots at the end; while a head count trains, its state (parameters, optimizer,
 curves) is saved at every evaluation to checkpoints/h{H}_state.msgpack. A rerun with
 the same --out and configuration skips the finished head counts and continues an
 interrupted one from its last saved step (--force starts over).
@@ -20,6 +20,7 @@ interrupted one from its last saved step (--force starts over).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -29,7 +30,7 @@ import numpy as np
 from experiments import common, plotting
 from experiments.common import AblationConfig, Interrupted, save_figure, write_atomic, write_json
 from jax_mha import parallel
-from jax_mha.checkpoint import save_checkpoint
+from jax_mha.checkpoint import save_checkpoint, train_state_metadata
 from jax_mha.data import chance_accuracy, task_from_dict, task_to_dict
 from jax_mha.train import SeedsResult, train_seeds
 
@@ -252,7 +253,7 @@ def train_head_count(h: int, cfg: AblationConfig, args, mesh, status: dict) -> d
     if state_file.exists():
         print(f"h={h}: resuming from the training state saved in {state_file}", flush=True)
     bar = common.TrainingBar(cfg.train.num_steps, f"h={h:>2}", args.no_progress)
-    status.update(heads=h, bar=bar)
+    status.update(heads=h, state_file=state_file)
     try:
         result = train_seeds(model, cfg.task, cfg.train, cfg.seeds, mesh=mesh, callback=bar, state_file=state_file)
     except ValueError as e:  # a state file of another run, or damaged
@@ -282,11 +283,14 @@ def measure_vmap_speedup(cfg: AblationConfig, heads: int) -> dict:
 
 
 def describe_saved(results: dict, path: Path, status: dict) -> str:
-    """The Ctrl-C line's account of what is on disk."""
+    """The Ctrl-C line's account of what is on disk (the training state file itself
+    says which step it holds: a save can land just before the interrupt)."""
     done = sorted(map(int, results["heads"]))
     parts = [f"head counts {', '.join(map(str, done))} are finished in {path}" if done else "no head count finished"]
-    if status.get("heads") is not None and status["bar"].saved_step > 0:
-        parts.append(f"h={status['heads']} is saved at step {status['bar'].saved_step}")
+    state_file = status.get("state_file")
+    if status.get("heads") is not None and state_file is not None and state_file.exists():
+        with contextlib.suppress(ValueError):
+            parts.append(f"h={status['heads']} is saved at step {train_state_metadata(state_file)['step']}")
     return "; ".join(parts)
 
 
@@ -298,10 +302,9 @@ def main(argv=None) -> dict:
     results = start_results(results_path, cfg, args.force)
     print(f"copy task: {common.describe_preset(cfg)}; writing to {out}/", flush=True)
 
-    def finish():
+    def save():
         write_json(results_path, results)
         write_atomic(out / "summary.md", summary_table(results))
-        plot_results(results, out)
 
     status: dict = {}
     todo = [h for h in cfg.heads if str(h) not in results["heads"]]
@@ -310,14 +313,14 @@ def main(argv=None) -> dict:
     try:
         for h in todo:
             results["heads"][str(h)] = train_head_count(h, cfg, args, mesh, status)
-            finish()
+            save()
         if args.measure_vmap_speedup:
             results["vmap_speedup"] = measure_vmap_speedup(cfg, max(cfg.heads))
-            finish()
+            save()
     except KeyboardInterrupt:
         raise Interrupted(describe_saved(results, results_path, status)) from None
-    if not todo and results["heads"]:
-        finish()  # nothing left to train: redraw the plots from the results
+    if results["heads"]:
+        plot_results(results, out)  # once, at the end (a rerun redraws them from results.json)
     print("\n" + summary_table(results))
     print(f"wrote {results_path}, summary.md and plots to {out}/")
     return results

@@ -114,7 +114,7 @@ def _unpack(path: Path, kind: str) -> dict:
     if hashlib.sha256(outer["body"]).hexdigest() != outer.get("sha256"):
         raise ValueError(f"checkpoint {path} is damaged: its checksum does not match its contents")
     payload = serialization.msgpack_restore(outer["body"])
-    if payload.get("kind") != kind:
+    if not isinstance(payload, dict) or payload.get("kind") != kind:
         raise ValueError(f"{path} holds a {payload.get('kind')!r}, not a {kind!r}")
     return payload
 
@@ -184,6 +184,16 @@ def save_train_state(path: str | os.PathLike, state: Any, metadata: dict | None 
     `TrainState`) and msgpack-able metadata, atomically."""
     state_dict = serialization.to_state_dict(jax.tree.map(np.asarray, state))
     write_atomic(path, _pack({"kind": "train_state", "state": state_dict, "metadata": metadata or {}}))
+
+
+def train_state_metadata(path: str | os.PathLike) -> dict:
+    """The metadata saved with a training state (e.g. the step it was saved at),
+    without restoring the state.
+
+    Raises:
+      ValueError: naming the file, if it is missing, damaged or not a training state.
+    """
+    return _unpack(Path(path), "train_state")["metadata"]
 
 
 def load_train_state(path: str | os.PathLike, target: Any) -> tuple[Any, dict]:
