@@ -75,6 +75,14 @@ class BenchConfig:
     train_calls: int = 5  # training steps per sample
     roofline_size: int = 2048  # the (n, n) @ (n, n) float32 matmul
 
+    def __post_init__(self):
+        counts = {k: getattr(self, k) for k in ("repeats", "warmup", "train_repeats", "train_calls", "roofline_size")}
+        if min(counts.values()) < 1 or not self.min_sample_s >= 0:
+            raise ValueError(f"{counts} must all be >= 1 and min_sample_s={self.min_sample_s} >= 0")
+        for shape in self.shapes:
+            if len(shape) != 4 or min(shape) < 1 or shape[2] % shape[3]:
+                raise ValueError(f"shape {shape} must be (B, N, d_model, H) >= 1 with d_model divisible by H")
+
 
 QUICK = dataclasses.replace(BenchConfig(), repeats=3, warmup=1, min_sample_s=0.05, train_repeats=3, train_calls=3)
 FULL = BenchConfig()
@@ -414,6 +422,7 @@ def run(cfg: BenchConfig, with_torch: bool, with_train: bool = True, progress: b
     the result so far after every shape (to write it)."""
     from tqdm.auto import tqdm
 
+    print("measuring the matmul roofline (start)", flush=True)
     start = snapshot(cfg, with_torch)
     result = {"start": start, "roofline_gflops": start["roofline_gflops"], "roofline_size": cfg.roofline_size,
               "rows": [], "train_step_ms": {}, "auto_path": {}, "complete": False}
@@ -422,7 +431,9 @@ def run(cfg: BenchConfig, with_torch: bool, with_train: bool = True, progress: b
         result["auto_path"][str(shape)] = auto_path(*shape)
         partial(result)
     if with_train:
+        print("timing the copy-task training step", flush=True)
         result["train_step_ms"] = {k: 1e3 * v for k, v in time_train_steps(cfg, with_torch).items()}
+    print("measuring the matmul roofline (end)", flush=True)
     result["end"] = snapshot(cfg, with_torch)
     result.update(contention(start, result["end"]), complete=True)
     return result

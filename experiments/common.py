@@ -103,7 +103,6 @@ nonnegative_int = _number(int, 0, math.inf, False, True, "an integer >= 0")
 positive_float = _number(float, 0, math.inf, True, True, "a finite number > 0")
 nonnegative_float = _number(float, 0, math.inf, False, True, "a finite number >= 0")
 unit_interval = _number(float, 0, 1, False, False, "in [0, 1]")  # absolute accuracy drops
-accuracy_target = _number(float, 0, 1, True, False, "in (0, 1]")
 
 
 def parser(module: str, description: str, presets: dict[str, Callable] | None = None) -> argparse.ArgumentParser:
@@ -135,10 +134,10 @@ class AblationConfig:
     attention-map studies analyse by default.
     """
 
-    heads: tuple[int, ...]
-    num_seeds: int
+    heads: tuple[int, ...]  # the head counts swept, each dividing model.d_model
+    num_seeds: int  # seeds per head count, trained together in one vmapped program
     task: CopyTaskConfig
-    model: ModelConfig
+    model: ModelConfig  # num_heads is replaced by each swept head count
     train: TrainConfig
     seed: int = 0  # seeds are seed, seed + 1, …, seed + num_seeds - 1
     analysis_heads: int = 8

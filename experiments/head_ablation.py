@@ -247,7 +247,8 @@ def start_results(path: Path, cfg: AblationConfig, force: bool) -> dict:
 
 def train_head_count(h: int, cfg: AblationConfig, args, mesh, status: dict) -> dict:
     """Trains (or resumes) every seed of one head count, saves one checkpoint per
-    seed, and returns its results record."""
+    seed, and returns its results record; `status` says which training state file
+    holds the run until the record is saved."""
     model = cfg.model_for(h)
     state_file = args.out / "checkpoints" / f"h{h}_state.msgpack"
     if state_file.exists():
@@ -264,10 +265,7 @@ def train_head_count(h: int, cfg: AblationConfig, args, mesh, status: dict) -> d
         params = jax.tree.map(lambda x: x[i], result.state.params)
         save_checkpoint(args.out / "checkpoints" / f"h{h}_seed{seed}.msgpack", params, model,
                         {"task": task_to_dict(cfg.task), "heads": h, "seed": seed, "steps_run": result.steps_run})
-    status.update(heads=None)
-    record = summarize_heads(h, result, cfg)
-    state_file.unlink(missing_ok=True)  # everything it held is in the checkpoints and the record now
-    return record
+    return summarize_heads(h, result, cfg)
 
 
 def measure_vmap_speedup(cfg: AblationConfig, heads: int) -> dict:
@@ -314,6 +312,8 @@ def main(argv=None) -> dict:
         for h in todo:
             results["heads"][str(h)] = train_head_count(h, cfg, args, mesh, status)
             save()
+            status["state_file"].unlink(missing_ok=True)  # all it held is in results.json and the checkpoints now
+            status.update(heads=None)
         if args.measure_vmap_speedup:
             results["vmap_speedup"] = measure_vmap_speedup(cfg, max(cfg.heads))
             save()

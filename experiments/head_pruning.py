@@ -262,6 +262,8 @@ def analyse(m: common.StudyModel, args, cfg: PruningConfig) -> dict:
     batch_fn = jax.jit(lambda key, size: m.task.batch(key, size), static_argnums=1)  # eager compiles op by op
     batches = {"eval": batch_fn(jax.random.key(cfg.eval_seed), cfg.eval_size),
                "score": batch_fn(jax.random.key(cfg.score_seed), cfg.score_size)}
+    print(f"scoring every head (gradient importance, single-head ablation) on {cfg.score_size} + {cfg.eval_size} "
+          "held-out sequences", flush=True)
     scores = score_heads(m, model, batches, cfg, normalize)
     records = prune_both_orders(m, model, batches, cfg, normalize, not args.no_progress)
     kept = {order: survivors(m, model, batches, rec, cfg) for order, rec in records.items()}

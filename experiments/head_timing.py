@@ -48,6 +48,16 @@ class TimingConfig:
     warmup: int = 2  # the first call compiles, the second settles caches; later ones are steady
     impls: tuple[str, ...] = ("jax_mha", "flax")
 
+    def __post_init__(self):
+        sizes = {"batch": self.batch, "d_model": self.d_model, "repeats": self.repeats, "warmup": self.warmup}
+        if min(sizes.values()) < 1 or not self.heads or not self.seqs or min(self.heads + self.seqs) < 1:
+            raise ValueError(f"{sizes}, heads={self.heads} and seqs={self.seqs} must all be >= 1 (and not empty)")
+        bad = [h for h in self.heads if self.d_model % h]
+        if bad:
+            raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={bad[0]}")
+        if not set(self.impls) <= {"jax_mha", "flax"}:
+            raise ValueError(f"impls must be among jax_mha, flax, got {self.impls}")
+
 
 def quick() -> TimingConfig:
     return TimingConfig()
@@ -133,10 +143,7 @@ def parse(argv) -> tuple[argparse.Namespace, TimingConfig]:
     overrides = {"heads": args.heads and tuple(args.heads), "seqs": args.seq and tuple(args.seq), "batch": args.batch,
                  "d_model": args.d_model, "repeats": args.repeats, "warmup": args.warmup,
                  "impls": args.impls and tuple(args.impls)}
-    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
-    bad = [h for h in cfg.heads if cfg.d_model % h]
-    if bad:
-        p.error(f"d_model={cfg.d_model} is not divisible by num_heads={bad[0]}")
+    cfg = common.build_or_exit(p, lambda: dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None}))
     return args, cfg
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -187,6 +188,23 @@ def test_blockwise_memory_child_dies_with_its_parent(tmp_path, signum):
     if signum == signal.SIGINT:
         assert parent.returncode == 130 and "Traceback" not in err
         assert err.strip().splitlines()[-1].startswith("interrupted: the rows measured so far are in")
+
+
+def test_blockwise_memory_states_its_memory_writes_each_row_and_resumes(tmp_path):
+    out = tmp_path / "results.json"
+    run = lambda *lengths: subprocess.run(
+        [sys.executable, "-m", "experiments.blockwise_memory", "--implementations", "xla", "--out", str(out),
+         "--lengths", *map(str, lengths)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    first = run(64)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert re.match(r"needs about \d+\.\d GiB of free memory .*; this machine has \d+\.\d GiB available",
+                    first.stdout.splitlines()[0])
+    assert (tmp_path / "peak_rss.png").read_bytes()[:4] == b"\x89PNG"
+    second = run(64, 128)
+    assert second.returncode == 0, second.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["n"], r["status"]) for r in rows] == [(64, "ok"), (128, "ok")]
+    assert "(from the earlier run)" in next(l for l in second.stdout.splitlines() if l.split()[:1] == ["64"])
 
 
 def _imports(path: Path) -> set[str]:
