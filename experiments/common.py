@@ -20,12 +20,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import jax
 import numpy as np
 
-from jax_mha.checkpoint import write_atomic
-from jax_mha.data import CopyTaskConfig, task_to_dict
+from jax_mha.checkpoint import load_checkpoint, save_checkpoint, write_atomic
+from jax_mha.data import CopyTaskConfig, task_from_dict, task_to_dict
 from jax_mha.models import ModelConfig
-from jax_mha.train import TrainConfig
+from jax_mha.train import TrainConfig, train_seeds
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
@@ -278,7 +279,6 @@ def cpu_model() -> str:
 def run_metadata() -> dict[str, Any]:
     """Versions, CPU and device, recorded beside every result."""
     import flax
-    import jax
     import optax
 
     return {
@@ -446,9 +446,6 @@ class StudyModel:
 
 def _load_checked(path: Path):
     """`(params, config, task)` of a checkpoint; SystemExit with one line if unusable."""
-    from jax_mha.checkpoint import load_checkpoint
-    from jax_mha.data import task_from_dict
-
     try:
         params, config, metadata = load_checkpoint(path)
         if "task" not in metadata:
@@ -494,11 +491,6 @@ def train_model(spec: ModelSpec, out: Path, progress: bool) -> StudyModel:
     """Trains the preset's model alone (seed `spec.seed`; resumable) into
     `<out>/checkpoints/`. Alone it stops early on its own accuracy, where the
     ablation waits for all seeds, so it can differ slightly from the ablation's."""
-    from jax_mha.checkpoint import save_checkpoint
-    from jax_mha.train import train_seeds
-
-    import jax
-
     path = out / "checkpoints" / spec.filename
     state_file = path.with_name(f"h{spec.heads}_seed{spec.seed}_state.msgpack")
     print(f"model: training the --preset {spec.preset} model with {spec.heads} heads, seed {spec.seed} "

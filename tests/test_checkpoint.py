@@ -6,7 +6,10 @@ files."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import signal
+import time
 
 import chex
 import jax
@@ -14,10 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import serialization
-
-import os
-import signal
-import time
 
 from jax_mha import checkpoint
 from jax_mha.checkpoint import FORMAT, load_checkpoint, load_train_state, save_checkpoint, save_train_state, write_atomic
