@@ -308,7 +308,7 @@ def _unstack(tree, n: int):
 
 
 def _programs(model, optimizer, task, cfg: TrainConfig, num_seeds: int, use_vmap: bool, mesh) -> _Programs:
-    eval_batch = jax.jit(task.batch, static_argnums=1)(jax.random.key(cfg.eval_seed), cfg.eval_size)
+    eval_batch = task.batch(jax.random.key(cfg.eval_seed), cfg.eval_size)  # eager: its ops stay compiled across runs
     eval_one = lambda params: evaluate(params, model, task, eval_batch)
     # One seed at a time: XLA:CPU compiles the vmapped initialisers ~5x slower, and
     # the values are the same (jax.random is vmap-invariant).
