@@ -12,47 +12,63 @@ sits at input position t−L. So a head that fetches the token to copy attends
 key = query − L in these (input × input) maps — the same thing as "target looks
 L+1 tokens back" in token positions.
 
-    python -m experiments.attention_maps                    # trained checkpoint (or trains one, ~2 min)
+    python -m experiments.attention_maps                    # the full preset's h=8 seed-0 model
     python -m experiments.attention_maps --untrained        # a freshly initialised model: no structure yet
-    python -m experiments.attention_maps --checkpoint results/head_ablation/checkpoints/h4_seed0.msgpack
+    python -m experiments.attention_maps --checkpoint results/head_ablation/full/checkpoints/h4_seed0.msgpack
 
-Writes to --out (default results/attention_maps/): layer{l}.png per layer,
+The model is chosen as in experiments.head_pruning (the first line of output names it
+and says why); without a checkpoint of the preset's model one is trained.
+
+Writes to --out (default results/attention_maps/<preset>/): layer{l}.png per layer,
 offset_profile.png, results.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import plotting
-from experiments.common import run_metadata, save_figure, use_agg_backend, write_json
-from experiments.head_pruning import add_model_source_args, build_config, load_or_train
+from experiments import common, plotting
+from experiments.common import Interrupted, save_figure, write_json
 from jax_mha import analysis
-from jax_mha.data import make_batch
-from jax_mha.models import CopyTransformer
+from jax_mha.data import task_to_dict
+from jax_mha.models import Decoder
+
+MODULE = "experiments.attention_maps"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m experiments.attention_maps",
-        description="Draw per-head attention heatmaps of the copy-task model for one sequence and find the "
-                    "retrieval head (most weight on key = query - L).",
-    )
-    add_model_source_args(p)
+def parse(argv):
+    """`(args, ModelSpec)`; every bad value ends in `error:` and exit 2."""
+    p = common.parser(MODULE, "Draw per-head attention heatmaps of a copy-task model for one sequence and find the "
+                              "retrieval head (most weight on key = query - L).", common.PRESETS)
+    common.add_model_args(p)
     p.add_argument("--untrained", action="store_true",
-                   help="draw a freshly initialised model (seed --seed) instead of a trained one")
-    p.add_argument("--example", type=int, default=0, help="which held-out sequence to draw (index into the stats batch)")
-    p.add_argument("--stats-size", type=int, default=256,
-                   help="held-out sequences the per-head offset statistics average over")
-    p.add_argument("--out", type=Path, default=Path("results/attention_maps"), help="output folder")
-    return p.parse_args(argv)
+                   help="draw a freshly initialised model of the preset (seed --seed) instead of a trained one")
+    p.add_argument("--example", type=common.nonnegative_int, default=0,
+                   help="which held-out sequence to draw (index into the statistics batch; default 0)")
+    p.add_argument("--stats-size", type=common.positive_int, default=256,
+                   help="held-out sequences the per-head offset statistics average over (default 256)")
+    p.add_argument("--out", type=Path, help="output folder (default results/attention_maps/<preset>)")
+    args = p.parse_args(argv)
+    if args.example >= args.stats_size:
+        p.error(f"--example {args.example} must be below --stats-size {args.stats_size}")
+    spec = common.build_or_exit(p, lambda: common.model_spec(args))
+    if args.out is None:
+        args.out = common.default_out("attention_maps", args.preset, args.task)
+    return args, spec
+
+
+def untrained(spec: common.ModelSpec) -> common.StudyModel:
+    task = spec.ablation.task
+    params = jax.jit(Decoder(spec.model).init)(jax.random.PRNGKey(spec.seed), jnp.zeros((1, task.seq_len), jnp.int32))
+    print(f"model: untrained, the --preset {spec.preset} model with {spec.heads} heads initialised from seed "
+          f"{spec.seed} ({common.describe_model(spec.model, task)})", flush=True)
+    return common.StudyModel(params["params"], spec.model, task, {"kind": "untrained", "path": "", "seed": spec.seed,
+                                                                  "why": "--untrained"})
 
 
 def offset_figure(profile: np.ndarray, length: int, title: str):
@@ -76,76 +92,78 @@ def offset_figure(profile: np.ndarray, length: int, title: str):
     return fig
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    cfg = build_config(args)
-    use_agg_backend()
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-
-    if args.untrained:
-        model_cfg, task = cfg.model, cfg.task
-        model = CopyTransformer(model_cfg)
-        params = model.init(jax.random.PRNGKey(cfg.seed), jnp.zeros((1, task.seq_len), jnp.int32))["params"]
-        source = {"kind": "untrained", "seed": cfg.seed}
-    else:
-        params, model_cfg, task, source = load_or_train(
-            cfg, checkpoint=args.checkpoint, retrain=args.retrain, out=out, progress=not args.no_progress)
-        model = CopyTransformer(model_cfg)
-    if not 0 <= args.example < args.stats_size:
-        raise SystemExit(f"error: --example {args.example} must be in [0, --stats-size={args.stats_size})")
-
-    batch = jax.jit(make_batch, static_argnums=(1, 2))(jax.random.key(cfg.eval_seed), task, args.stats_size)
-    weights = np.asarray(analysis.attention_weights(params, model, batch["inputs"]))  # (layers, B, H, T, T)
+def statistics(m: common.StudyModel, args) -> dict:
+    """Attention weights of the statistics batch and each head's offset profile."""
+    batch = jax.jit(lambda key: m.task.batch(key, args.stats_size))(jax.random.key(common.ANALYSIS_EVAL_SEED))
+    weights = np.asarray(analysis.attention_weights(m.params, Decoder(m.config), batch["inputs"]))  # (layers, B, H, T, T)
     profile = np.asarray(analysis.offset_profile(jnp.asarray(weights), batch["scored"]))  # (layers, H, T)
-    length = task.length
-    at_l, at_l1 = profile[..., length], profile[..., length + 1]
+    at_l = profile[..., m.task.length]
     layer, head = np.unravel_index(int(np.argmax(at_l)), at_l.shape)
     retrieval = {"layer": int(layer), "head": int(head), "weight_at_offset_L": float(at_l[layer, head]),
                  "dominant_offset": int(profile[layer, head].argmax())}
+    return {"tokens": np.asarray(batch["inputs"][args.example]), "weights": weights, "profile": profile,
+            "retrieval": retrieval}
 
-    tokens = np.asarray(batch["inputs"][args.example])
-    kind = {"untrained": "untrained", "trained": "freshly trained", "checkpoint": "trained"}[source["kind"]]
-    for l in range(model_cfg.num_layers):
-        titles = [f"head {h}: w(q−L) = {at_l[l, h]:.2f}" + (" ◀ retrieval" if (l, h) == (layer, head) else "")
-                  for h in range(model_cfg.num_heads)]
-        fig = plotting.attention_grid(
-            weights[l, args.example], tokens, titles=titles, stripe_offset=length, ncols=4,
-            suptitle=(f"Layer {l} attention, {kind} {model_cfg.num_heads}-head copy model, held-out sequence "
+
+def draw(m: common.StudyModel, stats: dict, args) -> None:
+    """layer{l}.png (one heatmap per head) and offset_profile.png."""
+    length, profile, r = m.task.length, stats["profile"], stats["retrieval"]
+    at_l = profile[..., length]
+    kind = {"untrained": "untrained", "trained": "freshly trained", "checkpoint": "trained"}[m.source["kind"]]
+    for l in range(m.config.num_layers):
+        titles = [f"head {h}: w(q−L) = {at_l[l, h]:.2f}" + (" ◀ retrieval" if (l, h) == (r["layer"], r["head"]) else "")
+                  for h in range(m.config.num_heads)]
+        save_figure(plotting.attention_grid(
+            stats["weights"][l, args.example], stats["tokens"], titles=titles, stripe_offset=length, ncols=4,
+            suptitle=(f"Layer {l} attention, {kind} {m.config.num_heads}-head copy model, held-out sequence "
                       f"#{args.example} (L={length})\nw(q−L): mean weight on key = query − L over the scored "
-                      f"queries of {args.stats_size} sequences; dotted line: that diagonal"),
-        )
-        save_figure(fig, out / f"layer{l}.png")
+                      f"queries of {args.stats_size} sequences; dotted line: that diagonal")), args.out / f"layer{l}.png")
     save_figure(offset_figure(profile, length, f"Where each head looks: mean weight by offset at scored queries "
-                                                f"({kind} model, {args.stats_size} sequences)"), out / "offset_profile.png")
+                                               f"({kind} model, {args.stats_size} sequences)"), args.out / "offset_profile.png")
 
-    results = {
-        "config": {"task": dataclasses.asdict(task), "model": dataclasses.asdict(model_cfg),
-                   "example": args.example, "stats_size": args.stats_size, "eval_seed": cfg.eval_seed},
-        "metadata": run_metadata(),
-        "source": source,
-        "example_tokens": tokens,
-        "weight_at_offset_L": at_l,
-        "weight_at_offset_L_plus_1": at_l1,
-        "dominant_offset": profile.argmax(-1),
-        "weight_at_dominant_offset": profile.max(-1),
-        "offset_profile": profile,
-        "retrieval_head": retrieval,
-    }
-    write_json(out / "results.json", results)
 
-    print(f"\nmodel: {source['kind']} {source.get('path', '')} ({model_cfg.num_layers} layers x {model_cfg.num_heads} heads, L={length})")
+def report(m: common.StudyModel, stats: dict, args) -> None:
+    profile, length, r = stats["profile"], m.task.length, stats["retrieval"]
+    print(f"\nmodel: {m.source['kind']} {m.source.get('path', '')} ({common.describe_model(m.config, m.task)})")
     print("mean weight on key = query - L at scored queries (rows: layers, columns: heads)")
-    for l in range(model_cfg.num_layers):
-        print(f"  layer {l}: " + " ".join(f"{v:.2f}" for v in at_l[l]))
+    for l in range(m.config.num_layers):
+        print(f"  layer {l}: " + " ".join(f"{v:.2f}" for v in profile[l, :, length]))
     print("dominant offset per head")
-    for l in range(model_cfg.num_layers):
+    for l in range(m.config.num_layers):
         print(f"  layer {l}: " + " ".join(f"{v:>4d}" for v in profile[l].argmax(-1)))
-    print(f"retrieval head: layer {layer} head {head}, weight {at_l[layer, head]:.3f} on key = query - {length} "
-          f"(and {at_l1[layer, head]:.3f} on query - {length + 1})")
-    print(f"wrote {out}/layer*.png, offset_profile.png, results.json")
+    print(f"retrieval head: layer {r['layer']} head {r['head']}, weight {r['weight_at_offset_L']:.3f} on key = query - "
+          f"{length} (and {profile[r['layer'], r['head'], length + 1]:.3f} on query - {length + 1})")
+    print(f"wrote {args.out}/layer*.png, offset_profile.png, results.json")
+
+
+def main(argv=None) -> dict:
+    args, spec = parse(argv)
+    common.use_agg_backend()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.untrained:
+        m = untrained(spec)
+    else:
+        m = common.find_model(spec, args.out, args.checkpoint, args.retrain) or common.train_model(
+            spec, args.out, not args.no_progress)
+    try:
+        stats = statistics(m, args)
+        draw(m, stats, args)
+    except KeyboardInterrupt:
+        raise Interrupted(f"the model is saved in {m.source['path'] or '(untrained: nothing to save)'}; the maps "
+                          "were not finished", resumes=False) from None
+    profile, length = stats["profile"], m.task.length
+    results = {
+        "config": {"task": task_to_dict(m.task), "model": dataclasses.asdict(m.config), "preset": args.preset,
+                   "example": args.example, "stats_size": args.stats_size, "eval_seed": common.ANALYSIS_EVAL_SEED},
+        "metadata": common.run_metadata(), "source": m.source, "example_tokens": stats["tokens"],
+        "weight_at_offset_L": profile[..., length], "weight_at_offset_L_plus_1": profile[..., length + 1],
+        "dominant_offset": profile.argmax(-1), "weight_at_dominant_offset": profile.max(-1),
+        "offset_profile": profile, "retrieval_head": stats["retrieval"],
+    }
+    write_json(args.out / "results.json", results)
+    report(m, stats, args)
     return results
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    common.cli(main, MODULE)

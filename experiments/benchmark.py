@@ -11,14 +11,23 @@ Run::
     python -m experiments.benchmark --quick    # fewer repeats, ~3 min
     pip install -e .[torch]                    # adds the PyTorch rows
 
+Honesty. Every row also reads as a percentage of *its own library's* matmul roofline
+(jax and flax rows against jax's float32 matmul, torch rows against torch's), measured
+at the start and again at the end of the run; the table and JSON name the CPU, the
+core count and every library version, and record the load average before and after.
+When the two rooflines differ by more than 10 % or the load average exceeds the core
+count, other work shared the CPU: the run prints a loud warning and the JSON says
+`"contended": true` (a contended run can flip which library looks faster).
+
 Method. Every layer is compiled and warmed up first; then the layers of one shape are
 timed *round-robin* (one sample of each in turn, `repeats` times), each sample
 averaging enough calls to last `min_sample_s`, and the median sample is reported.
 Interleaving means background load hits every layer alike, so the ratios within a run
 stay meaningful on a shared machine even when absolute times drift.
 
-FLOPs counted (multiply-add = 2): projections `8·B·N·d²` (q, k, v, out) plus attention
-`4·B·N²·d` (QKᵀ and PV); forward+backward counts 3× the forward (backward ≈ 2×).
+FLOPs counted (multiply-add = 2, `experiments.common.attention_flops`): projections
+`8·B·N·d²` (q, k, v, out) plus attention `4·B·N²·d` (QKᵀ and PV); forward+backward
+counts 3× the forward (backward ≈ 2×).
 """
 
 from __future__ import annotations
@@ -38,8 +47,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_mha
-from experiments.common import run_metadata, save_figure, use_agg_backend, write_json
+from experiments import common
+from experiments.common import Interrupted, save_figure, use_agg_backend, write_json
 from jax_mha import functional
+
+MODULE = "experiments.benchmark"
+CONTENDED_DRIFT = 0.10  # roofline change between start and end that marks a shared CPU
 
 Shape = tuple[int, int, int, int]  # (B, N, d_model, H)
 
@@ -62,17 +75,20 @@ class BenchConfig:
     train_calls: int = 5  # training steps per sample
     roofline_size: int = 2048  # the (n, n) @ (n, n) float32 matmul
 
+    def __post_init__(self):
+        counts = {k: getattr(self, k) for k in ("repeats", "warmup", "train_repeats", "train_calls", "roofline_size")}
+        if min(counts.values()) < 1 or not self.min_sample_s >= 0:
+            raise ValueError(f"{counts} must all be >= 1 and min_sample_s={self.min_sample_s} >= 0")
+        for shape in self.shapes:
+            if len(shape) != 4 or min(shape) < 1 or shape[2] % shape[3]:
+                raise ValueError(f"shape {shape} must be (B, N, d_model, H) >= 1 with d_model divisible by H")
+
 
 QUICK = dataclasses.replace(BenchConfig(), repeats=3, warmup=1, min_sample_s=0.05, train_repeats=3, train_calls=3)
 FULL = BenchConfig()
 
 # The copy-task training step compared with PyTorch (the head-ablation defaults).
 TRAIN_D_MODEL, TRAIN_HEADS, TRAIN_LAYERS, TRAIN_BATCH, TRAIN_LENGTH = 256, 8, 2, 64, 16
-
-
-def attention_flops(b: int, n: int, d: int) -> float:
-    """Forward FLOPs of one self-attention layer: projections + scores + weighted sum."""
-    return 8.0 * b * n * d * d + 4.0 * b * n * n * d
 
 
 # ---------------------------------------------------------------------------------
@@ -214,11 +230,9 @@ def torch_timers(b: int, n: int, d: int, h: int) -> dict[tuple[str, str], Callab
     return timers
 
 
-def torch_copy_train_step(cfg_train, seq_len: int, vocab: int, max_len: int, d_ff: int):
-    """An eager PyTorch twin of `train.jit_train_step` on the copy task: the same
-    pre-norm decoder (learned positions, q/k/v without bias, exact GELU, final
-    LayerNorm), masked cross-entropy, global-norm clipping, AdamW with warmup-cosine.
-    Returns `step(tokens, targets, scored) -> loss`."""
+def _torch_decoder(vocab: int, max_len: int, d_ff: int):
+    """An eager PyTorch twin of the copy-task `Decoder`: the same pre-norm blocks
+    (learned positions, q/k/v without bias, exact GELU, final LayerNorm)."""
     import torch
     import torch.nn.functional as F
 
@@ -255,8 +269,18 @@ def torch_copy_train_step(cfg_train, seq_len: int, vocab: int, max_len: int, d_f
                 x = block(x)
             return self.logits(self.final_norm(x))
 
+    return Decoder()
+
+
+def torch_copy_train_step(cfg_train, vocab: int, max_len: int, d_ff: int):
+    """An eager PyTorch twin of `train.jit_train_step` on the copy task: masked
+    cross-entropy, global-norm clipping, AdamW with warmup-cosine.
+    Returns `step(tokens, targets, scored) -> loss`."""
+    import torch
+    import torch.nn.functional as F
+
     torch.manual_seed(0)
-    model = Decoder()
+    model = _torch_decoder(vocab, max_len, d_ff)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg_train.learning_rate, weight_decay=cfg_train.weight_decay, eps=1e-8)
     warm, total = cfg_train.warmup_steps, max(cfg_train.num_steps, cfg_train.warmup_steps + 1)
 
@@ -287,17 +311,17 @@ def torch_copy_train_step(cfg_train, seq_len: int, vocab: int, max_len: int, d_f
 
 def time_train_steps(cfg: BenchConfig, with_torch: bool) -> dict[str, float]:
     """Median seconds per training step: jax_mha's jitted optax step vs PyTorch eager."""
-    from jax_mha.data import CopyTaskConfig, make_batch
-    from jax_mha.models import CopyTransformer, ModelConfig
+    from jax_mha.data import CopyTaskConfig
+    from jax_mha.models import Decoder, ModelConfig
     from jax_mha.train import TrainConfig, init_state, jit_train_step, make_optimizer
 
     task = CopyTaskConfig(length=TRAIN_LENGTH)
     model_cfg = ModelConfig(d_model=TRAIN_D_MODEL, num_heads=TRAIN_HEADS, num_layers=TRAIN_LAYERS)
     train_cfg = TrainConfig(batch_size=TRAIN_BATCH)
-    model = CopyTransformer(model_cfg)
+    model = Decoder(model_cfg)
     optimizer = make_optimizer(train_cfg)
     step = jit_train_step(model, optimizer)
-    batch = make_batch(jax.random.PRNGKey(1), task, TRAIN_BATCH)
+    batch = task.batch(jax.random.PRNGKey(1), TRAIN_BATCH)
     holder = {"state": init_state(jax.random.PRNGKey(0), model, optimizer)}
     rng = jax.random.PRNGKey(2)
 
@@ -310,7 +334,7 @@ def time_train_steps(cfg: BenchConfig, with_torch: bool) -> dict[str, float]:
     if with_torch:
         import torch
 
-        torch_step = torch_copy_train_step(train_cfg, task.seq_len, task.vocab_size, model_cfg.max_len, model_cfg.d_ff)
+        torch_step = torch_copy_train_step(train_cfg, task.vocab_size, model_cfg.max_len, model_cfg.d_ff)
         tokens, targets, scored = (torch.from_numpy(np.array(batch[k])) for k in ("inputs", "targets", "scored"))
         tokens, targets = tokens.long(), targets.long()
 
@@ -324,7 +348,7 @@ def time_train_steps(cfg: BenchConfig, with_torch: bool) -> dict[str, float]:
 
 
 def roofline(cfg: BenchConfig, with_torch: bool) -> dict[str, float]:
-    """GFLOP/s of a large float32 matmul: the practical peak of this machine."""
+    """GFLOP/s of a large float32 matmul in each library: the practical peak of this machine."""
     size = cfg.roofline_size
     a = jax.random.normal(jax.random.PRNGKey(0), (size, size), jnp.float32)
     fns = {"jax": _blocking(jax.jit(jnp.matmul), a, a)}
@@ -344,41 +368,75 @@ def roofline(cfg: BenchConfig, with_torch: bool) -> dict[str, float]:
 FLAX = "flax MultiHeadDotProductAttention"
 
 
-def run(
-    cfg: BenchConfig, with_torch: bool, with_train: bool = True, progress: Callable[[str], None] = print
-) -> dict[str, Any]:
-    peak = roofline(cfg, with_torch)
-    progress(f"matmul roofline: " + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in peak.items()))
+def library(layer: str) -> str:
+    """Whose matmul roofline a row is measured against."""
+    return "torch" if layer.startswith("torch") else "jax"
+
+
+def auto_path(b: int, n: int, d: int, h: int) -> str:
+    """The path `implementation="auto"` takes for self-attention of this shape, as the
+    core itself decides it (`functional.resolve_implementation`)."""
+    qkv = jax.ShapeDtypeStruct((b, h, n, d // h), jnp.float32)
+    return functional.resolve_implementation(qkv, qkv, qkv, implementation="auto")
+
+
+def time_shape(shape, cfg: BenchConfig, with_torch: bool, peak: dict[str, float]) -> list[dict]:
+    """Every layer at one (B, N, d_model, H), interleaved; one row per layer and mode."""
+    b, n, d, h = shape
+    x = jax.random.normal(jax.random.PRNGKey(1), (b, n, d), jnp.float32)
+    fns = {}
+    for name, (init, apply) in jax_layers(h).items():
+        fns.update(jax_timers(name, init, apply, x))
+    if with_torch:
+        fns.update(torch_timers(b, n, d, h))
+    times = time_interleaved(fns, cfg)
+    flops = common.attention_flops(b, n, d)
     rows = []
-    for b, n, d, h in cfg.shapes:
-        x = jax.random.normal(jax.random.PRNGKey(1), (b, n, d), jnp.float32)
-        fns = {}
-        for name, (init, apply) in jax_layers(h).items():
-            fns.update(jax_timers(name, init, apply, x))
-        if with_torch:
-            fns.update(torch_timers(b, n, d, h))
-        times = time_interleaved(fns, cfg)
-        flops = attention_flops(b, n, d)
-        for (name, mode), t in times.items():
-            f = flops * (3.0 if mode == "fwd+bwd" else 1.0)
-            rows.append({
-                "B": b, "N": n, "d_model": d, "H": h, "layer": name, "mode": mode, "ms": 1e3 * t,
-                "gflops": f / t / 1e9, "frac_peak": f / t / 1e9 / peak["jax"],
-                "vs_flax": t / times[(FLAX, mode)],
-            })
-        progress(f"done (B, N, d, H) = {(b, n, d, h)}")
-    train = time_train_steps(cfg, with_torch) if with_train else {}
-    return {
-        "roofline_gflops": peak, "roofline_size": cfg.roofline_size, "rows": rows,
-        "train_step_ms": {k: 1e3 * v for k, v in train.items()},
-        "auto_blockwise_min_scores": functional.AUTO_BLOCKWISE_MIN_SCORES,
-        "xla_chunk_score_bytes": functional.XLA_CHUNK_SCORE_BYTES,
-    }
+    for (name, mode), t in times.items():
+        gflops = flops["forward_backward" if mode == "fwd+bwd" else "forward"] / t / 1e9
+        rows.append({"B": b, "N": n, "d_model": d, "H": h, "layer": name, "mode": mode, "ms": 1e3 * t,
+                     "gflops": gflops, "roofline_library": library(name),
+                     "frac_roofline": gflops / peak[library(name)], "vs_flax": t / times[(FLAX, mode)]})
+    return rows
 
 
-def auto_choice(n: int) -> str:
-    """The path implementation="auto" takes on CPU for self-attention of length n."""
-    return "blockwise" if n * n >= functional.AUTO_BLOCKWISE_MIN_SCORES else "xla"
+def contention(start: dict, end: dict) -> dict[str, Any]:
+    """Whether other work shared the CPU: roofline drift or load above the core count."""
+    drift = {lib: abs(end["roofline_gflops"][lib] - g) / g for lib, g in start["roofline_gflops"].items()}
+    cores = os.cpu_count() or 1
+    load = max(start["load_average"][0], end["load_average"][0])
+    reasons = [f"{lib} matmul roofline moved {100 * v:.0f}% between start and end" for lib, v in drift.items()
+               if v > CONTENDED_DRIFT]
+    if load > cores:
+        reasons.append(f"1-minute load average {load:.1f} exceeds the {cores} cores")
+    return {"contended": bool(reasons), "reasons": reasons, "roofline_drift": drift, "max_load_average": load}
+
+
+def snapshot(cfg: BenchConfig, with_torch: bool) -> dict[str, Any]:
+    return {"roofline_gflops": roofline(cfg, with_torch), "load_average": list(os.getloadavg())}
+
+
+def run(cfg: BenchConfig, with_torch: bool, with_train: bool = True, progress: bool = True,
+        partial: Callable[[dict], None] = lambda result: None) -> dict[str, Any]:
+    """Roofline, every shape, the training step, the roofline again. `partial` gets
+    the result so far after every shape (to write it)."""
+    from tqdm.auto import tqdm
+
+    print("measuring the matmul roofline (start)", flush=True)
+    start = snapshot(cfg, with_torch)
+    result = {"start": start, "roofline_gflops": start["roofline_gflops"], "roofline_size": cfg.roofline_size,
+              "rows": [], "train_step_ms": {}, "auto_path": {}, "complete": False}
+    for shape in tqdm(cfg.shapes, desc="timing shapes", unit="shape", disable=not progress):
+        result["rows"] += time_shape(shape, cfg, with_torch, start["roofline_gflops"])
+        result["auto_path"][str(shape)] = auto_path(*shape)
+        partial(result)
+    if with_train:
+        print("timing the copy-task training step", flush=True)
+        result["train_step_ms"] = {k: 1e3 * v for k, v in time_train_steps(cfg, with_torch).items()}
+    print("measuring the matmul roofline (end)", flush=True)
+    result["end"] = snapshot(cfg, with_torch)
+    result.update(contention(start, result["end"]), complete=True)
+    return result
 
 
 def check_targets(result: dict[str, Any]) -> dict[str, Any]:
@@ -388,40 +446,49 @@ def check_targets(result: dict[str, Any]) -> dict[str, Any]:
         r["ms"] for r in rows if (r["B"], r["N"], r["d_model"], r["H"]) == shape and r["layer"] == layer and r["mode"] == mode
     )
     shapes = sorted({(r["B"], r["N"], r["d_model"], r["H"]) for r in rows}, key=lambda s: (s[1], s[3]))
-    out: dict[str, Any] = {}
-    xla_vs_flax = {str(s): {m: get(s, "jax_mha (xla)", m) / get(s, FLAX, m) for m in ("fwd", "fwd+bwd")} for s in shapes}
-    out["xla_vs_flax"] = xla_vs_flax
-    out["xla_no_slower_than_flax"] = all(v <= 1.0 for r in xla_vs_flax.values() for v in r.values())
-    block_vs_xla = {}
-    for s in shapes:
-        for m in ("fwd", "fwd+bwd"):
-            block_vs_xla[f"{s} {m}"] = get(s, "jax_mha (blockwise)", m) / get(s, "jax_mha (xla)", m)
-    out["blockwise_vs_xla"] = block_vs_xla
-    # Where blockwise is faster there is nothing to bound.
-    out["blockwise_within_1.5x_of_xla"] = all(v <= 1.5 for v in block_vs_xla.values() if v > 1.0)
+    modes = ("fwd", "fwd+bwd")
+    xla_vs_flax = {str(s): {m: get(s, "jax_mha (xla)", m) / get(s, FLAX, m) for m in modes} for s in shapes}
+    block_vs_xla = {f"{s} {m}": get(s, "jax_mha (blockwise)", m) / get(s, "jax_mha (xla)", m) for s in shapes for m in modes}
+    out: dict[str, Any] = {
+        "xla_vs_flax": xla_vs_flax,
+        "xla_no_slower_than_flax": all(v <= 1.0 for r in xla_vs_flax.values() for v in r.values()),
+        "blockwise_vs_xla": block_vs_xla,
+        # Where blockwise is faster there is nothing to bound.
+        "blockwise_within_1.5x_of_xla": all(v <= 1.5 for v in block_vs_xla.values() if v > 1.0),
+    }
     train = result["train_step_ms"]
     if "torch train step (eager, AdamW)" in train and "jax_mha train step (jit, optax)" in train:
-        speed = train["torch train step (eager, AdamW)"] / train["jax_mha train step (jit, optax)"]
-        out["train_speed_vs_torch"] = speed
-        out["train_at_least_torch"] = speed >= 1.0
+        out["train_speed_vs_torch"] = train["torch train step (eager, AdamW)"] / train["jax_mha train step (jit, optax)"]
+        out["train_at_least_torch"] = out["train_speed_vs_torch"] >= 1.0
     long = [s for s in shapes if s[1] >= 2048]
     if long and any(r["layer"] == "torch SDPA" for r in rows):
-        s = long[0]
-        best = get(s, f"jax_mha ({auto_choice(s[1])})", "fwd+bwd")
-        out["long_auto_path"] = auto_choice(s[1])
-        out["long_auto_vs_torch_sdpa_fwd_bwd"] = best / get(s, "torch SDPA", "fwd+bwd")
-        out["long_within_1.5x_of_torch"] = out["long_auto_vs_torch_sdpa_fwd_bwd"] <= 1.5
+        s, path = long[0], result["auto_path"][str(long[0])]
+        out["long_auto_path"] = path
+        if path in ("xla", "blockwise"):
+            out["long_auto_vs_torch_sdpa_fwd_bwd"] = get(s, f"jax_mha ({path})", "fwd+bwd") / get(s, "torch SDPA", "fwd+bwd")
+            out["long_within_1.5x_of_torch"] = out["long_auto_vs_torch_sdpa_fwd_bwd"] <= 1.5
     return out
 
 
+def machine_line(meta: dict) -> str:
+    """CPU, cores and versions: what a timing table is only true for."""
+    versions = ", ".join(f"{k} {meta[k]}" for k in ("jax", "flax", "torch") if k in meta)
+    threads = f", torch threads {meta['torch_threads']}" if "torch_threads" in meta else ""
+    return f"{meta['cpu']}, {meta['cpu_count']} cores; {versions}{threads}"
+
+
 def format_table(result: dict[str, Any]) -> str:
-    """Markdown table: one line per (shape, layer), forward and forward+backward."""
-    peak = result["roofline_gflops"]
+    """Markdown table: one line per (shape, layer), forward and forward+backward,
+    each with its GFLOP/s as % of its own library's matmul roofline."""
+    peak, end = result["roofline_gflops"], result.get("end", {}).get("roofline_gflops", {})
+    roof = ", ".join(f"{k} {v:.1f}" + (f" → {end[k]:.1f}" if k in end else "") for k, v in peak.items())
     lines = [
-        f"matmul roofline (float32, {result['roofline_size']}² @ {result['roofline_size']}²): "
-        + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in peak.items()),
+        f"machine: {machine_line(result['metadata'])}",
+        f"matmul roofline (float32, {result['roofline_size']}² @ {result['roofline_size']}², start → end): {roof} GFLOP/s",
+        f"load average (1 min) start → end: {result['start']['load_average'][0]:.2f} → "
+        f"{result.get('end', result['start'])['load_average'][0]:.2f}",
         "",
-        "| (B, N, d, H) | layer | fwd ms | fwd GFLOP/s | fwd vs flax | fwd+bwd ms | fwd+bwd GFLOP/s | fwd+bwd vs flax |",
+        "| (B, N, d, H) | layer | fwd ms | fwd GFLOP/s (% roofline) | fwd vs flax | fwd+bwd ms | fwd+bwd GFLOP/s (% roofline) | fwd+bwd vs flax |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     by_key: dict[tuple, dict[str, dict]] = {}
@@ -430,13 +497,20 @@ def format_table(result: dict[str, Any]) -> str:
     for (shape, layer), modes in by_key.items():
         f, fb = modes["fwd"], modes["fwd+bwd"]
         lines.append(
-            f"| {shape} | {layer} | {f['ms']:.2f} | {f['gflops']:.1f} ({100 * f['frac_peak']:.0f}%) | {f['vs_flax']:.2f} "
-            f"| {fb['ms']:.2f} | {fb['gflops']:.1f} ({100 * fb['frac_peak']:.0f}%) | {fb['vs_flax']:.2f} |"
-        )
+            f"| {shape} | {layer} | {f['ms']:.2f} | {f['gflops']:.1f} ({100 * f['frac_roofline']:.0f}% {f['roofline_library']}) "
+            f"| {f['vs_flax']:.2f} | {fb['ms']:.2f} | {fb['gflops']:.1f} ({100 * fb['frac_roofline']:.0f}% "
+            f"{fb['roofline_library']}) | {fb['vs_flax']:.2f} |")
     if result["train_step_ms"]:
-        lines += ["", "| training step (copy task, d=256, 8 heads, 2 layers, batch 64 × 33 tokens) | ms/step |", "| --- | ---: |"]
+        lines += ["", "| training step (copy task, d=256, 8 heads, 2 layers, batch 64 × 34 tokens) | ms/step |", "| --- | ---: |"]
         lines += [f"| {k} | {v:.1f} |" for k, v in result["train_step_ms"].items()]
+    if result.get("contended"):
+        lines.insert(3, "CONTENDED RUN: other work shared the CPU (see the warning below)")
     return "\n".join(lines)
+
+
+def warning(result: dict) -> str:
+    return ("!" * 78 + "\nWARNING: CONTENDED RUN, other work shared the CPU: " + "; ".join(result["reasons"])
+            + ".\nThese timings can rank the libraries wrongly; measure again on a quiet machine.\n" + "!" * 78)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -454,58 +528,86 @@ def plot(result: dict[str, Any], path: Path) -> None:
             vals = [next((r["gflops"] for r in rows if r["layer"] == layer and r["mode"] == mode
                           and (r["B"], r["N"], r["d_model"], r["H"]) == s), 0.0) for s in shapes]
             ax.bar(np.arange(len(shapes)) + (i - (len(layers) - 1) / 2) * width, vals, width, label=layer)
-        ax.axhline(result["roofline_gflops"]["jax"], color="k", ls="--", lw=1, label="jax matmul roofline")
+        for lib, style in zip(result["roofline_gflops"], ("--", ":")):
+            ax.axhline(result["roofline_gflops"][lib], color="k", ls=style, lw=1, label=f"{lib} matmul roofline")
         ax.set_xticks(np.arange(len(shapes)), [f"B{b} N{n}\nd{d} H{h}" for b, n, d, h in shapes], fontsize=8)
         ax.set_title(f"{mode} (float32)")
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_ylabel("GFLOP/s")
+    fig.suptitle(machine_line(result["metadata"]) + (" (CONTENDED RUN)" if result.get("contended") else ""), fontsize=9)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=4, bbox_to_anchor=(0.5, -0.12), frameon=False)
     save_figure(fig, path)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.benchmark",
-        description="Times jax_mha attention (xla, blockwise) against flax, jax.nn.dot_product_attention "
-        "and, when torch is installed, PyTorch; forward and forward+backward, plus the copy-task training step.",
-    )
-    parser.add_argument("--quick", action="store_true", help="fewer repeats and shorter samples (a smoke run)")
-    parser.add_argument("--out", default="results/benchmark", help="directory for benchmark.json and benchmark.png")
-    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch rows even if torch is installed")
-    parser.add_argument("--no-train", action="store_true", help="skip the training-step comparison")
-    parser.add_argument(
-        "--shapes", default=None,
-        help="semicolon-separated B,N,d_model,H tuples to time instead of the defaults, e.g. '8,128,256,8;1,2048,512,8'",
-    )
-    args = parser.parse_args(argv)
-    cfg = QUICK if args.quick else FULL
-    if args.shapes:
-        shapes = tuple(tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";") if s)
-        if any(len(s) != 4 or s[2] % s[3] for s in shapes):
-            parser.error(f"--shapes needs B,N,d_model,H with d_model divisible by H, got {args.shapes!r}")
-        cfg = dataclasses.replace(cfg, shapes=shapes)
-    with_torch = torch_available() and not args.no_torch
+def _shapes(text: str) -> tuple[tuple[int, int, int, int], ...]:
+    """`--shapes`: 'B,N,d_model,H;...' with positive ints and d_model divisible by H."""
+    shapes = []
+    for part in filter(None, text.replace(" ", "").split(";")):
+        try:
+            shape = tuple(int(v) for v in part.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not four integers B,N,d_model,H") from None
+        if len(shape) != 4 or min(shape) < 1:
+            raise argparse.ArgumentTypeError(f"{part!r} must be four integers >= 1: B,N,d_model,H")
+        if shape[2] % shape[3]:
+            raise argparse.ArgumentTypeError(f"{part!r}: d_model={shape[2]} is not divisible by H={shape[3]}")
+        shapes.append(shape)
+    if not shapes:
+        raise argparse.ArgumentTypeError(f"{text!r} names no shape")
+    return tuple(shapes)
 
-    start = time.perf_counter()
-    result = run(cfg, with_torch, with_train=not args.no_train)
-    result["targets"] = check_targets(result)
-    meta = run_metadata()
+
+def parse(argv):
+    p = common.parser(MODULE, "Times jax_mha attention (xla, blockwise) against flax, jax.nn.dot_product_attention "
+                              "and, when torch is installed, PyTorch; forward and forward+backward, plus the copy-task "
+                              "training step, each as a percentage of its library's matmul roofline.")
+    p.add_argument("--quick", action="store_true", help="fewer repeats and shorter samples (a smoke run)")
+    p.add_argument("--out", type=Path, default=Path("results/benchmark"), help="directory for benchmark.json and benchmark.png")
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch rows even if torch is installed")
+    p.add_argument("--no-train", action="store_true", help="skip the training-step comparison")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--shapes", type=_shapes,
+                   help="semicolon-separated B,N,d_model,H tuples to time instead of the defaults, e.g. '8,128,256,8;1,2048,512,8'")
+    return p.parse_args(argv)
+
+
+def metadata(with_torch: bool) -> dict[str, Any]:
+    meta = common.run_metadata()
     if with_torch:
         import torch
 
         meta.update(torch=torch.__version__, torch_threads=torch.get_num_threads())
     meta["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES")  # malloc settings change large-array costs
-    result.update(metadata=meta, config=dataclasses.asdict(cfg), preset="quick" if args.quick else "full",
-                  wall_seconds=time.perf_counter() - start)
-    out = Path(args.out)
+    return meta
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse(argv)
+    cfg = QUICK if args.quick else FULL
+    if args.shapes:
+        cfg = dataclasses.replace(cfg, shapes=args.shapes)
+    with_torch = torch_available() and not args.no_torch
+    out, start = Path(args.out), time.perf_counter()
+    meta = metadata(with_torch)
+    print(f"machine: {machine_line(meta)}; load average {meta['load_average'][0]:.2f}", flush=True)
+    extra = {"metadata": meta, "config": dataclasses.asdict(cfg), "preset": "quick" if args.quick else "full"}
+    partial = lambda result: write_json(out / "benchmark.json", {**result, **extra})
+    try:
+        result = run(cfg, with_torch, with_train=not args.no_train, progress=not args.no_progress, partial=partial)
+    except KeyboardInterrupt:
+        raise Interrupted(f"the shapes timed so far are in {out / 'benchmark.json'} (marked incomplete); a benchmark "
+                          "is one run, so it measures everything again", resumes=False) from None
+    result.update(extra, targets=check_targets(result), wall_seconds=time.perf_counter() - start)
     write_json(out / "benchmark.json", result)
     plot(result, out / "benchmark.png")
     print(format_table(result))
     print("\ntargets:", {k: v for k, v in result["targets"].items() if not isinstance(v, dict)})
+    if result["contended"]:
+        print("\n" + warning(result), flush=True)
     print(f"\nwrote {out / 'benchmark.json'} and {out / 'benchmark.png'} in {result['wall_seconds']:.0f} s")
     return result
 
 
 if __name__ == "__main__":
-    main()
+    common.cli(main, MODULE)

@@ -6,21 +6,26 @@ recomputing custom VJP, `jax_mha.blockwise`) should grow as N. Each (N, implemen
 runs `jit(grad(sum(attention(q, k, v))))` w.r.t. q, k, v once, in a fresh Python
 process, so its peak resident set size (ru_maxrss, from `os.wait4`) is its own.
 
-    python -m experiments.blockwise_memory                       # N = 2048 ... 32768; minutes on 2 CPU cores
+    python -m experiments.blockwise_memory            # N = 1024 ... 8192: ~2 min, ~3 GiB free memory
+    python -m experiments.blockwise_memory --full     # adds N = 16384 and 32768: ~10 min, ~10 GiB free
     python -m experiments.blockwise_memory --lengths 512 1024 --out /tmp/bm/results.json   # smoke run
 
-A child whose RSS passes --max-rss-gib (or that leaves the machine with under
---min-free-gib of available memory) is killed and recorded as "OOM", and that
-implementation is skipped at every larger N. Results (written after every row, via a
-temporary file and os.replace): --out (JSON) and a log-log plot of peak RSS vs N beside
-it (peak_rss.png).
+The first line of output states the memory the run needs (estimated from the sizes)
+and what the machine has free. A child whose RSS passes --max-rss-gib (or that leaves
+the machine with under --min-free-gib of available memory) is killed and recorded as
+"OOM", and that implementation is skipped at every larger N. Results and the log-log
+plot of peak RSS vs N (peak_rss.png, beside --out) are written after every row; a
+rerun with the same settings skips the rows already measured (--force measures them
+again). A measuring child dies with its parent (Ctrl-C, or the parent killed).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -28,6 +33,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+from experiments import common
 
 IMPLEMENTATIONS = ("xla", "blockwise")
 RESULT_PREFIX = "BLOCKWISE_MEMORY_RESULT "  # marks the child's one line of JSON on stdout
@@ -35,55 +43,70 @@ GIB = 1024**3
 POLL_S = 0.05  # RSS sampling interval of the parent while a child runs
 
 
+QUICK_LENGTHS = (1024, 2048, 4096, 8192)
+FULL_LENGTHS = QUICK_LENGTHS + (16384, 32768)
+BASE_GIB = 0.55  # Python, JAX and small inputs, measured as the blockwise child's floor
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = common.parser("experiments.blockwise_memory",
+                      "Peak RSS and wall time of jitted forward+backward attention (grad of sum(out) w.r.t. q, k, v) "
+                      "for the 'xla' and 'blockwise' implementations, one fresh process per (N, implementation).")
+    p.add_argument("--lengths", type=common.positive_int, nargs="+",
+                   help=f"sequence lengths N (= S, self-attention) (default {' '.join(map(str, QUICK_LENGTHS))}; "
+                        f"--full: {' '.join(map(str, FULL_LENGTHS))})")
+    p.add_argument("--full", action="store_true", help="also N = 16384 and 32768 (~10 GiB free memory, ~10 min)")
+    p.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS),
+                   help="implementations to compare (default: %(default)s)")
+    p.add_argument("--batch", type=common.positive_int, default=1, help="batch size B (default: %(default)s)")
+    p.add_argument("--heads", type=common.positive_int, default=8, help="heads H (default: %(default)s)")
+    p.add_argument("--head-dim", type=common.positive_int, default=64, help="head dim D (default: %(default)s)")
+    p.add_argument("--causal", action="store_true", help="use is_causal=True (default: full bidirectional attention)")
+    p.add_argument("--query-block-size", type=common.positive_int, default=512,
+                   help="blockwise query block size (default: %(default)s)")
+    p.add_argument("--key-block-size", type=common.positive_int, default=1024,
+                   help="blockwise key block size (default: %(default)s)")
+    p.add_argument("--max-rss-gib", type=common.positive_float, default=16.0,
+                   help="kill a child whose resident memory passes this many GiB and record it as OOM; larger N "
+                        "of that implementation are then skipped (default: %(default)s)")
+    p.add_argument("--min-free-gib", type=common.nonnegative_float, default=1.0,
+                   help="also kill (as OOM) a child when the machine's MemAvailable drops below this many GiB: "
+                        "the machine is shared (default: %(default)s)")
+    p.add_argument("--timeout-s", type=common.positive_float, default=1800.0,
+                   help="wall-clock limit per child in seconds; recorded as 'timeout' (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=Path("results/blockwise_memory/results.json"),
+                   help="JSON results file; the plot peak_rss.png goes beside it (default: %(default)s)")
+    p.add_argument("--force", action="store_true", help="measure every row again instead of resuming")
+    p.add_argument("--plot-only", action="store_true", help="measure nothing: redraw the plot from the existing --out JSON")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # internal: one measurement
+    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # internal: the child dies with it
+    return p
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=(
-            "Peak RSS and wall time of jitted forward+backward attention (grad of "
-            "sum(out) w.r.t. q, k, v) for the 'xla' and 'blockwise' implementations, "
-            "one fresh process per (N, implementation)."
-        )
-    )
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768],
-                        help="sequence lengths N (= S, self-attention) to measure, ascending "
-                             "(default: %(default)s)")
-    parser.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS,
-                        default=list(IMPLEMENTATIONS),
-                        help="implementations to compare (default: %(default)s)")
-    parser.add_argument("--batch", type=int, default=1, help="batch size B (default: %(default)s)")
-    parser.add_argument("--heads", type=int, default=8, help="heads H (default: %(default)s)")
-    parser.add_argument("--head-dim", type=int, default=64, help="head dim D (default: %(default)s)")
-    parser.add_argument("--causal", action="store_true",
-                        help="use is_causal=True (default: full bidirectional attention)")
-    parser.add_argument("--query-block-size", type=int, default=512,
-                        help="blockwise query block size (default: %(default)s)")
-    parser.add_argument("--key-block-size", type=int, default=1024,
-                        help="blockwise key block size (default: %(default)s)")
-    parser.add_argument("--max-rss-gib", type=float, default=16.0,
-                        help="kill a child whose resident memory passes this many GiB and "
-                             "record it as OOM; larger N of that implementation are then "
-                             "skipped (default: %(default)s)")
-    parser.add_argument("--min-free-gib", type=float, default=1.0,
-                        help="also kill (as OOM) a child when the machine's MemAvailable "
-                             "drops below this many GiB: the machine is shared "
-                             "(default: %(default)s)")
-    parser.add_argument("--timeout-s", type=float, default=1800.0,
-                        help="wall-clock limit per child in seconds; recorded as 'timeout' "
-                             "(default: %(default)s)")
-    parser.add_argument("--out", type=Path, default=Path("results/blockwise_memory/results.json"),
-                        help="JSON results file; the plot peak_rss.png goes beside it "
-                             "(default: %(default)s)")
-    parser.add_argument("--plot-only", action="store_true",
-                        help="measure nothing: redraw the plot from the existing --out JSON")
-    parser.add_argument("--child", action="store_true",
-                        help="internal: measure one --lengths value for one --implementations "
-                             "value in this process and print the result as JSON")
-    args = parser.parse_args(argv)
-    if min(args.lengths) < 1 or min(args.batch, args.heads, args.head_dim) < 1:
-        parser.error("--lengths, --batch, --heads and --head-dim must be positive")
-    if args.max_rss_gib <= 0:
-        parser.error(f"--max-rss-gib must be positive, got {args.max_rss_gib}")
+    args = build_parser().parse_args(argv)
+    if args.lengths is None:
+        args.lengths = list(FULL_LENGTHS if args.full else QUICK_LENGTHS)
     args.lengths = sorted(set(args.lengths))
     return args
+
+
+def estimate_gib(impl: str, n: int, args: argparse.Namespace) -> float:
+    """Peak RSS a child is expected to need: the plain path keeps the (B, H, N, N)
+    float32 weights for its backward pass; blockwise about six (B, H, N, D) arrays
+    (inputs, output, their gradients). Matches the measured table within ~10 %."""
+    if impl == "xla":
+        return BASE_GIB + args.batch * args.heads * n * n * 4 / GIB
+    return BASE_GIB + 6 * args.batch * args.heads * n * args.head_dim * 4 / GIB
+
+
+def memory_line(args: argparse.Namespace) -> str:
+    """The first line of output: what the run needs and what the machine has."""
+    need = max((estimate_gib(i, n, args), i, n) for i in args.implementations for n in args.lengths)
+    capped = min(need[0], args.max_rss_gib)
+    return (f"needs about {capped:.1f} GiB of free memory (the largest child: {need[1]} at N={need[2]}, "
+            f"~{need[0]:.1f} GiB{', capped by --max-rss-gib' if need[0] > args.max_rss_gib else ''}); "
+            f"this machine has {_available_gib():.1f} GiB available")
 
 
 # --------------------------------------------------------------------------------------
@@ -98,6 +121,8 @@ def _self_rss_gib() -> float:
 
 def run_child(args: argparse.Namespace) -> None:
     """Compiles and runs forward+backward once; prints one RESULT line of JSON."""
+    if args.parent_pid is not None:
+        _die_with_parent(args.parent_pid)
     import jax
     import jax.numpy as jnp
 
@@ -165,56 +190,68 @@ def _available_gib() -> float:
     return float("inf")
 
 
-def measure(args: argparse.Namespace, n: int, impl: str) -> dict:
-    """Runs one child and watches it; returns a result row."""
-    cmd = [
+def _die_with_parent(parent_pid: int) -> None:
+    """In the child: be SIGKILLed when the parent dies (Linux), so a measuring
+    process never outlives the run, whatever ends the parent. Set here rather than
+    in a preexec_fn, which is unsafe once the parent runs XLA threads; a parent that
+    died before this call is caught by the getppid check."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent's kill on Ctrl-C still covers the common case
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _child_cmd(args: argparse.Namespace, n: int, impl: str) -> list[str]:
+    return [
         sys.executable, "-m", "experiments.blockwise_memory", "--child",
         "--lengths", str(n), "--implementations", impl,
         "--batch", str(args.batch), "--heads", str(args.heads), "--head-dim", str(args.head_dim),
-        "--query-block-size", str(args.query_block_size),
-        "--key-block-size", str(args.key_block_size),
+        "--query-block-size", str(args.query_block_size), "--key-block-size", str(args.key_block_size),
+        "--parent-pid", str(os.getpid()),
     ] + (["--causal"] if args.causal else [])
-    row = {"n": n, "implementation": impl}
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
-        killed_for = None
-        polled_peak = 0.0
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid == proc.pid:
-                break
-            rss = _rss_gib(proc.pid)
-            polled_peak = max(polled_peak, rss)
-            if killed_for is None:
-                if rss > args.max_rss_gib:
-                    killed_for = f"RSS {rss:.2f} GiB > --max-rss-gib {args.max_rss_gib}"
-                elif _available_gib() < args.min_free_gib:
-                    killed_for = f"machine MemAvailable < --min-free-gib {args.min_free_gib}"
-                elif time.perf_counter() - start > args.timeout_s:
-                    killed_for = f"timeout after {args.timeout_s:.0f} s"
-                if killed_for is not None:
-                    os.kill(proc.pid, signal.SIGKILL)  # our own child, by pid
-            time.sleep(POLL_S)
-        wall_s = time.perf_counter() - start
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
 
-    # ru_maxrss of this child alone (KiB on Linux), valid even when it was killed.
-    row["peak_rss_gib"] = max(usage.ru_maxrss * 1024 / GIB, polled_peak)
-    row["wall_s"] = wall_s
+
+def _watch(proc: subprocess.Popen, args: argparse.Namespace) -> tuple[int, Any, str | None, float]:
+    """Polls a child until it exits, killing it past a limit:
+    `(exit status, rusage, why it was killed or None, polled peak GiB)`."""
+    start, killed_for, polled_peak = time.perf_counter(), None, 0.0
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid == proc.pid:
+            return status, usage, killed_for, polled_peak
+        rss = _rss_gib(proc.pid)
+        polled_peak = max(polled_peak, rss)
+        if killed_for is None:
+            if rss > args.max_rss_gib:
+                killed_for = f"RSS {rss:.2f} GiB > --max-rss-gib {args.max_rss_gib}"
+            elif _available_gib() < args.min_free_gib:
+                killed_for = f"machine MemAvailable < --min-free-gib {args.min_free_gib}"
+            elif time.perf_counter() - start > args.timeout_s:
+                killed_for = f"timeout after {args.timeout_s:.0f} s"
+            if killed_for is not None:
+                os.kill(proc.pid, signal.SIGKILL)  # our own child, by pid
+        time.sleep(POLL_S)
+
+
+def error_reason(stderr: str, returncode: int) -> str:
+    """The line of a child's stderr that says what went wrong: the last exception
+    line (`SomeError: ...`), not JAX's closing note about filtered frames."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", line)]
+    return (errors or lines or [f"exit code {returncode}"])[-1][-500:]
+
+
+def _classify(row: dict, code: int, killed_for: str | None, stdout: str, stderr: str) -> dict:
     lines = [line for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if killed_for is not None:
-        row["status"] = "timeout" if killed_for.startswith("timeout") else "OOM"
-        row["reason"] = killed_for
-    elif proc.returncode == -signal.SIGKILL:
-        row["status"], row["reason"] = "OOM", "killed by SIGKILL (kernel OOM killer?)"
-    elif proc.returncode != 0 or not lines:
+        row.update(status="timeout" if killed_for.startswith("timeout") else "OOM", reason=killed_for)
+    elif code == -signal.SIGKILL:
+        row.update(status="OOM", reason="killed by SIGKILL (kernel OOM killer?)")
+    elif code != 0 or not lines:
         oom = "RESOURCE_EXHAUSTED" in stderr or "MemoryError" in stderr
-        row["status"] = "OOM" if oom else "error"
-        row["reason"] = (stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1][-500:]
+        row.update(status="OOM" if oom else "error", reason=error_reason(stderr, code))
     else:
         row.update(json.loads(lines[-1][len(RESULT_PREFIX):]))
         row["status"] = "ok" if row["grads_finite"] else "error"
@@ -223,13 +260,35 @@ def measure(args: argparse.Namespace, n: int, impl: str) -> dict:
     return row
 
 
-def print_row(row: dict) -> None:
+def measure(args: argparse.Namespace, n: int, impl: str) -> dict:
+    """Runs one child and watches it; returns a result row. The child is killed if
+    this process is interrupted."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(_child_cmd(args, n, impl), stdout=out, stderr=err)
+        try:
+            status, usage, killed_for, polled_peak = _watch(proc, args)
+        finally:
+            if proc.returncode is None and _rss_gib(proc.pid) > 0:
+                proc.kill()
+                proc.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    # ru_maxrss of this child alone (KiB on Linux), valid even when it was killed.
+    row = {"n": n, "implementation": impl, "peak_rss_gib": max(usage.ru_maxrss * 1024 / GIB, polled_peak),
+           "wall_s": time.perf_counter() - start, "estimated_gib": estimate_gib(impl, n, args)}
+    return _classify(row, os.waitstatus_to_exitcode(status), killed_for, stdout, stderr)
+
+
+def print_row(row: dict, resumed: bool = False) -> None:
     if row["status"] == "skipped":
         print(f"{row['n']:>7} {row['implementation']:>10} {'skipped':>8}", flush=True)
         return
     timing = (f"{row['compile_s']:>9.1f} {row['run_s']:>8.1f}" if row["status"] == "ok"
               else f"{'-':>9} {'-':>8}")
     note = f"  ({row['reason']})" if "reason" in row else ""
+    note += "  (from the earlier run)" if resumed else ""
     print(f"{row['n']:>7} {row['implementation']:>10} {row['status']:>8} "
           f"{row['peak_rss_gib']:>10.2f} {timing} {row['wall_s']:>8.1f}{note}", flush=True)
 
@@ -264,44 +323,78 @@ def plot(rows: list[dict], args: argparse.Namespace, path: Path) -> None:
     save_figure(fig, path)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _config(args: argparse.Namespace) -> dict:
+    """What makes two runs' rows comparable (the lengths are not part of it: a rerun
+    with more lengths extends the same file)."""
+    skip = ("child", "plot_only", "force", "lengths", "full", "out")
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in skip}
+
+
+def _rows_problem(data) -> str | None:
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list) or not isinstance(data.get("config"), dict):
+        return "it does not hold a 'config' object and a list of 'rows'"
+    if not all(isinstance(r, dict) and {"n", "implementation", "status"} <= set(r) for r in data["rows"]):
+        return "a row lacks n, implementation or status"
+    return None
+
+
+def previous_rows(args: argparse.Namespace) -> list[dict]:
+    """Rows of an earlier run with the same settings, to resume; [] with --force."""
+    if args.force or not args.out.exists():
+        return []
+    saved = common.read_results(args.out, _rows_problem)
+    if saved["config"] != _config(args):
+        raise SystemExit(f"error: {args.out} was measured with other settings; use another --out, or --force")
+    return [r for r in saved["rows"] if r["status"] != "skipped"]
+
+
+def measure_all(args: argparse.Namespace, rows: list[dict]) -> list[dict]:
+    """Every (N, implementation) not in `rows`, smallest N first; results and the plot
+    are rewritten after each."""
+    done = {(r["n"], r["implementation"]): r for r in rows}
+    failed = {r["implementation"] for r in rows if r["status"] != "ok"}
+    rows = []
+    for n in args.lengths:
+        for impl in args.implementations:
+            if (n, impl) in done:
+                row = done[(n, impl)]
+            elif impl in failed:
+                row = {"n": n, "implementation": impl, "status": "skipped", "reason": f"{impl} already failed at a smaller N"}
+            else:
+                row = measure(args, n, impl)
+                failed |= {impl} if row["status"] != "ok" else set()
+            rows.append(row)
+            print_row(row, resumed=(n, impl) in done)
+            common.write_json(args.out, {"config": _config(args), "metadata": common.run_metadata(), "rows": rows})
+            plot(rows, args, args.out.parent / "peak_rss.png")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
-        if len(args.lengths) != 1 or len(args.implementations) != 1:
-            raise SystemExit("--child needs exactly one length and one implementation")
         run_child(args)
-        return
-
-    from experiments.common import run_metadata, write_json
-
+        return 0
     if args.plot_only:
-        saved = json.loads(args.out.read_text())
+        saved = common.read_results(args.out, _rows_problem)
         args = argparse.Namespace(**{**vars(args), **saved["config"], "out": args.out})
         plot(saved["rows"], args, args.out.parent / "peak_rss.png")
         print(f"wrote {args.out.parent / 'peak_rss.png'}")
-        return
-
-    config = {key: (str(val) if isinstance(val, Path) else val)
-              for key, val in vars(args).items() if key not in ("child", "plot_only")}
-    rows: list[dict] = []
-    failed: set[str] = set()
-    print(f"{'N':>7} {'impl':>10} {'status':>8} {'peak GiB':>10} {'compile s':>9} "
-          f"{'run s':>8} {'wall s':>8}", flush=True)
-    for n in args.lengths:
-        for impl in args.implementations:
-            if impl in failed:
-                row = {"n": n, "implementation": impl, "status": "skipped",
-                       "reason": f"{impl} already failed at a smaller N"}
-            else:
-                row = measure(args, n, impl)
-                if row["status"] != "ok":
-                    failed.add(impl)
-            rows.append(row)
-            print_row(row)
-            write_json(args.out, {"config": config, "metadata": run_metadata(), "rows": rows})
-    plot(rows, args, args.out.parent / "peak_rss.png")
+        return 0
+    print(memory_line(args), flush=True)
+    rows = previous_rows(args)
+    print(f"{'N':>7} {'impl':>10} {'status':>8} {'peak GiB':>10} {'compile s':>9} {'run s':>8} {'wall s':>8}", flush=True)
+    try:
+        rows = measure_all(args, rows)
+    except KeyboardInterrupt:
+        raise common.Interrupted(f"the rows measured so far are in {args.out}") from None
     print(f"wrote {args.out} and {args.out.parent / 'peak_rss.png'}")
+    errors = [r for r in rows if r["status"] == "error"]
+    if errors:
+        print(f"error: {len(errors)} measurement(s) failed, e.g. N={errors[0]['n']} {errors[0]['implementation']}: "
+              f"{errors[0]['reason']}", file=sys.stderr)
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":
-    main()
+    common.cli(lambda argv: sys.exit(main(argv)), "experiments.blockwise_memory")

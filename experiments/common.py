@@ -1,15 +1,227 @@
-"""What every experiment shares: atomic writes, run metadata, figure saving."""
+"""What every study shares: the command-line preamble (validated arguments, presets
+in `--help`, Ctrl-C), the copy-task presets and the models other studies analyse,
+output (atomic JSON, figures, damaged-file messages), progress bars, timing and FLOP
+counts. No study imports another; they all import this.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
+import math
 import os
 import platform
-from typing import Any
+import shlex
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
+import jax
 import numpy as np
 
-from jax_mha.checkpoint import write_atomic
+from jax_mha.checkpoint import load_checkpoint, save_checkpoint, write_atomic
+from jax_mha.data import CopyTaskConfig, task_from_dict, task_to_dict
+from jax_mha.models import ModelConfig
+from jax_mha.train import TrainConfig, train_seeds
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+
+
+# ----------------------------------------------------------------- Ctrl-C
+
+
+class Interrupted(Exception):
+    """Raised by a study on Ctrl-C, saying what is saved (`cli` prints it)."""
+
+    def __init__(self, saved: str, resumes: bool = True):
+        super().__init__(saved)
+        self.saved, self.resumes = saved, resumes
+
+
+def resume_command(module: str, argv: Sequence[str]) -> str:
+    """The command that continues a run: the same arguments, without `--force`
+    (which would throw the saved work away)."""
+    return shlex.join(["python", "-m", module, *(a for a in argv if a != "--force")])
+
+
+def _exit_interrupted(module: str, argv: Sequence[str], saved: str, resumes: bool) -> None:
+    """Prints the one line and leaves at once: tearing down with XLA threads still
+    running can crash the interpreter, so no cleanup beyond flushing."""
+    verb = "resume with" if resumes else "run again with"
+    print(f"\ninterrupted: {saved}; {verb}: {resume_command(module, argv)}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_INTERRUPTED)
+
+
+def cli(main: Callable[[list[str]], Any], module: str, argv: Sequence[str] | None = None) -> None:
+    """Runs a study's `main(argv)` as a command: Ctrl-C prints one line (what is
+    saved and the command that resumes) and exits 130, with no traceback; a second
+    Ctrl-C while the first is still unwinding (e.g. inside a long compilation) leaves
+    at once."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pressed = []
+
+    def on_sigint(signum, frame):
+        if pressed:
+            _exit_interrupted(module, argv, "stopped while unwinding; what was saved before stays", True)
+        pressed.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        main(argv)
+    except Interrupted as e:
+        _exit_interrupted(module, argv, e.saved, e.resumes)
+    except KeyboardInterrupt:
+        _exit_interrupted(module, argv, "nothing new was saved", True)
+
+
+# ----------------------------------------------------------------- argument types
+
+
+def _number(kind: type, low: float, high: float, low_open: bool, high_open: bool, what: str) -> Callable[[str], Any]:
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        above = value > low if low_open else value >= low
+        below = value < high if high_open else value <= high
+        if not (above and below):  # NaN fails both
+            raise argparse.ArgumentTypeError(f"{text} is not {what}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in its messages
+    return parse
+
+
+positive_int = _number(int, 1, math.inf, False, True, "an integer >= 1")
+nonnegative_int = _number(int, 0, math.inf, False, True, "an integer >= 0")
+positive_float = _number(float, 0, math.inf, True, True, "a finite number > 0")
+nonnegative_float = _number(float, 0, math.inf, False, True, "a finite number >= 0")
+unit_interval = _number(float, 0, 1, False, False, "in [0, 1]")  # absolute accuracy drops
+
+
+def parser(module: str, description: str, presets: dict[str, Callable] | None = None) -> argparse.ArgumentParser:
+    """A study's parser; `--help` ends with every preset's values."""
+    epilog = None
+    if presets:
+        epilog = "presets:\n" + "\n".join(f"  {name:<6} {describe_preset(make())}" for name, make in presets.items())
+    return argparse.ArgumentParser(prog=f"python -m {module}", description=description, epilog=epilog,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def build_or_exit(p: argparse.ArgumentParser, build: Callable[[], Any]) -> Any:
+    """`build()`, with a config's `ValueError`/`TypeError` turned into the parser's
+    one-line `error:` and exit status 2."""
+    try:
+        return build()
+    except (ValueError, TypeError) as e:
+        p.error(str(e))
+
+
+# ----------------------------------------------------------------- presets of the copy-task models
+
+
+@dataclasses.dataclass(frozen=True)
+class AblationConfig:
+    """One head-count sweep: the task, the model (num_heads is swept), training, seeds.
+
+    `analysis_heads` is the head count whose seed-`seed` model the pruning and
+    attention-map studies analyse by default.
+    """
+
+    heads: tuple[int, ...]  # the head counts swept, each dividing model.d_model
+    num_seeds: int  # seeds per head count, trained together in one vmapped program
+    task: CopyTaskConfig
+    model: ModelConfig  # num_heads is replaced by each swept head count
+    train: TrainConfig
+    seed: int = 0  # seeds are seed, seed + 1, …, seed + num_seeds - 1
+    analysis_heads: int = 8
+
+    def __post_init__(self):
+        if self.num_seeds < 1 or not self.heads:
+            raise ValueError(f"need num_seeds >= 1 and at least one head count, got {self.num_seeds}, {self.heads}")
+        for h in (*self.heads, self.analysis_heads):
+            if h < 1 or self.model.d_model % h:
+                raise ValueError(f"d_model={self.model.d_model} is not divisible by num_heads={h}")
+        if self.model.vocab_size != self.task.vocab_size or self.model.max_len < self.task.seq_len:
+            raise ValueError(f"model (vocab_size={self.model.vocab_size}, max_len={self.model.max_len}) does not fit "
+                             f"the task (vocab_size={self.task.vocab_size}, seq_len={self.task.seq_len})")
+
+    @property
+    def seeds(self) -> list[int]:
+        return list(range(self.seed, self.seed + self.num_seeds))
+
+    def model_for(self, heads: int) -> ModelConfig:
+        return dataclasses.replace(self.model, num_heads=heads)
+
+    def fingerprint(self) -> dict:
+        """Everything that makes two runs comparable; the head list is not part of it,
+        so a sweep can be extended with more head counts into the same folder."""
+        out = {"num_seeds": self.num_seeds, "seed": self.seed, "task": task_to_dict(self.task),
+               "model": dataclasses.asdict(self.model), "train": dataclasses.asdict(self.train)}
+        del out["model"]["num_heads"]
+        return json.loads(json.dumps(out))  # tuples to lists, as read back from JSON
+
+
+def _copy_preset(length: int, d_model: int, train: TrainConfig, **kw) -> AblationConfig:
+    task = CopyTaskConfig(length=length, num_symbols=kw.pop("num_symbols", 10))
+    model = ModelConfig(vocab_size=task.vocab_size, max_len=task.seq_len, d_model=d_model, d_ff=4 * d_model,
+                        num_heads=kw.get("analysis_heads", 8), num_layers=kw.pop("num_layers", 2))
+    return AblationConfig(task=task, model=model, train=train, **kw)
+
+
+def quick() -> AblationConfig:
+    """About a minute on a 2-core CPU, all five head counts; small enough that
+    compilation is a good part of it."""
+    return _copy_preset(8, 64, TrainConfig(batch_size=32, num_steps=600, learning_rate=3e-3, warmup_steps=50,
+                                           steps_per_call=50, eval_every=100, eval_size=128),
+                        heads=(1, 2, 4, 8, 16), num_seeds=2)
+
+
+def full() -> AblationConfig:
+    """Seed 004's E12.2 at d_model=256, 2 layers, 3 seeds, L=16; early stopping once
+    every seed holds 99% exact-sequence accuracy (8-18 min on a 2-core CPU)."""
+    return _copy_preset(16, 256, TrainConfig(batch_size=64, num_steps=1500, learning_rate=1e-3, warmup_steps=100,
+                                             steps_per_call=50, eval_every=50, eval_size=256),
+                        heads=(1, 2, 4, 8, 16), num_seeds=3)
+
+
+def tiny() -> AblationConfig:
+    """A smoke test in seconds (tests use it): L=3, d_model=8, one layer, 2 and 4 heads."""
+    return _copy_preset(3, 8, TrainConfig(batch_size=8, num_steps=50, learning_rate=3e-3, warmup_steps=5,
+                                          steps_per_call=25, eval_every=25, eval_size=16),
+                        heads=(2, 4), num_seeds=2, num_symbols=5, analysis_heads=4, num_layers=1)
+
+
+PRESETS: dict[str, Callable[[], AblationConfig]] = {"quick": quick, "full": full, "tiny": tiny}
+TASK_CHOICES = ("copy",)  # --task; the copy task is the only one so far
+
+
+def describe_preset(cfg: AblationConfig) -> str:
+    """One line with every value a preset sets."""
+    t, m, tr = cfg.task, cfg.model, cfg.train
+    return (f"copy L={t.length} ({t.num_symbols} symbols; sequences of {2 * t.length + 3} tokens, the model reads "
+            f"T={t.seq_len}), d_model={m.d_model}, d_ff={m.d_ff}, {m.num_layers} layer(s), heads "
+            f"{' '.join(map(str, cfg.heads))} (analysed: {cfg.analysis_heads}), {cfg.num_seeds} seeds from "
+            f"{cfg.seed}, batch {tr.batch_size}, <= {tr.num_steps} steps, lr {tr.learning_rate:g}, warmup "
+            f"{tr.warmup_steps}, eval every {tr.eval_every} steps on {tr.eval_size} sequences, early stop at "
+            f"{tr.target_accuracy:g} exact-sequence accuracy")
+
+
+def default_out(study: str, preset: str, task: str = "copy", reverse: bool = False) -> Path:
+    """`results/<study>/<preset>` (`-reverse`, and a `<task>-` prefix for other tasks),
+    so the presets of one study never overwrite each other."""
+    name = ("" if task == "copy" else f"{task}-") + preset + ("-reverse" if reverse else "")
+    return Path("results") / study / name
+
+
+# ----------------------------------------------------------------- output
 
 
 def to_jsonable(x: Any) -> Any:
@@ -30,21 +242,51 @@ def write_json(path: str | os.PathLike, data: Any) -> None:
     write_atomic(path, json.dumps(to_jsonable(data), indent=2) + "\n")
 
 
+class DamagedResults(SystemExit):
+    """A results file that cannot be used; its message is the one line to print."""
+
+
+def read_results(path: Path, check: Callable[[Any], str | None]) -> Any:
+    """The parsed JSON at `path`, if `check(data)` finds nothing wrong with it.
+
+    Raises:
+      DamagedResults: (a SystemExit with one line naming the file and `--force`) if
+        the file is not UTF-8 JSON or `check` returns a complaint.
+    """
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        problem = f"it is not valid JSON ({type(e).__name__} at byte {getattr(e, 'pos', getattr(e, 'start', '?'))})"
+    else:
+        problem = check(data)
+        if problem is None:
+            return data
+    raise DamagedResults(f"error: {path} is damaged: {problem}; rerun with --force to start over "
+                         f"(or move the file away to keep it)")
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name (Linux /proc/cpuinfo), else platform.processor()."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def run_metadata() -> dict[str, Any]:
-    """Versions and device, recorded beside every result."""
+    """Versions, CPU and device, recorded beside every result."""
     import flax
-    import jax
     import optax
 
     return {
-        "jax": jax.__version__,
-        "flax": flax.__version__,
-        "optax": optax.__version__,
-        "backend": jax.default_backend(),
-        "devices": [str(d.device_kind) for d in jax.devices()],
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
+        "jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
+        "numpy": np.__version__, "python": platform.python_version(),
+        "backend": jax.default_backend(), "devices": [str(d.device_kind) for d in jax.devices()],
+        "cpu": cpu_model(), "cpu_count": os.cpu_count(), "machine": platform.machine(),
+        "load_average": list(os.getloadavg()),
     }
 
 
@@ -61,7 +303,213 @@ def save_figure(fig, path: str | os.PathLike) -> None:
 
 
 def use_agg_backend() -> None:
-    """Experiments draw to files; never ask for a screen."""
+    """Studies draw to files; never ask for a screen."""
     import matplotlib
 
     matplotlib.use("Agg")
+
+
+# ----------------------------------------------------------------- progress
+
+
+class TrainingBar:
+    """A tqdm bar over optimizer steps fed by `train_seeds`' callback; early stopping
+    closes it at 100% with "stopped at step S: target reached" (no stale ETA)."""
+
+    def __init__(self, total: int, desc: str, disable: bool):
+        from tqdm.auto import tqdm
+
+        self.desc, self.closed = desc, False
+        self.bar = tqdm(total=total, desc=desc, unit="step", disable=disable, leave=True)
+
+    def __call__(self, report: dict) -> None:
+        if "eval" in report:
+            self.bar.set_postfix(loss=f"{report['loss']:.4f}",
+                                 heldout=f"{float(np.mean(report['eval']['token_accuracy'])):.3f}")
+        self.bar.update(report["step"] - self.bar.n)
+        if "stopped" in report:
+            self.close(report["step"], report["stopped"])
+
+    def close(self, step: int | None = None, reason: str | None = None) -> None:
+        """Idempotent; with an early-stop `reason`, says so on the bar (or on a line of
+        its own when bars are off)."""
+        if self.closed:
+            return
+        self.closed = True
+        early = reason is not None and reason != "step limit"
+        if early and self.bar.disable:
+            print(f"{self.desc}: stopped at step {step}: {reason}", flush=True)
+        elif early:
+            self.bar.total = self.bar.n  # a full bar: nothing more is coming, no ETA
+            self.bar.set_postfix_str(f"stopped at step {step}: {reason}")
+        self.bar.close()
+
+
+# ----------------------------------------------------------------- timing and FLOPs
+
+
+def attention_flops(batch: int, seq: int, d_model: int) -> dict[str, float]:
+    """FLOPs of one self-attention layer (multiply-add = 2): projections Q, K, V, O
+    `8·B·N·d²`, scores and weighted sum `4·B·N²·d` (independent of the head count);
+    forward+backward counted as 3× forward."""
+    proj = 8.0 * batch * seq * d_model**2
+    attn = 4.0 * batch * seq**2 * d_model
+    return {"projections": proj, "attention": attn, "forward": proj + attn, "forward_backward": 3.0 * (proj + attn)}
+
+
+def median_seconds(fn: Callable[[], Any], warmup: int, repeats: int) -> tuple[float, float]:
+    """`(median seconds over `repeats` calls, seconds of the first call)`; `fn` must
+    block until its result is ready. The first call compiles; `warmup - 1` more
+    settle caches before timing."""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    for _ in range(warmup - 1):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), first
+
+
+def load_report() -> dict[str, Any]:
+    """The 1/5/15-minute load average and the core count: a load above the core
+    count means other work shared the CPU and timings are pessimistic."""
+    return {"load_average": list(os.getloadavg()), "cpu_count": os.cpu_count()}
+
+
+# ----------------------------------------------------------------- the model a study analyses
+
+ANALYSIS_EVAL_SEED = 2**31 - 3  # held-out sequences of the analyses, apart from training and train's eval set
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The options choosing the analysed model (head_pruning, attention_maps)."""
+    p.add_argument("--task", choices=TASK_CHOICES, default="copy", help="the task the model was trained on (default copy)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="full",
+                   help="analyse this head_ablation preset's model (default full, the README's; values below)")
+    p.add_argument("--heads", type=positive_int, help="its head count (default: the preset's analysed one, 8)")
+    p.add_argument("--seed", type=nonnegative_int, help="its seed (default 0)")
+    p.add_argument("--checkpoint", type=Path,
+                   help="analyse this checkpoint (jax_mha.checkpoint.save_checkpoint) instead of the preset's model")
+    p.add_argument("--retrain", action="store_true", help="train the preset's model afresh instead of loading it")
+    p.add_argument("--train-steps", type=positive_int,
+                   help="step limit when the model has to be trained (a multiple of the preset's steps per call)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Which model a study wants: the preset's configuration at one head count and seed."""
+
+    preset: str
+    ablation: AblationConfig
+    heads: int
+    seed: int
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.ablation.model_for(self.heads)
+
+    @property
+    def filename(self) -> str:
+        return f"h{self.heads}_seed{self.seed}.msgpack"
+
+
+def model_spec(args) -> ModelSpec:
+    """From `add_model_args`' options (ValueError for a head count that does not fit)."""
+    ablation = PRESETS[args.preset]()
+    if args.train_steps is not None:
+        ablation = dataclasses.replace(ablation, train=dataclasses.replace(ablation.train, num_steps=args.train_steps))
+    heads = ablation.analysis_heads if args.heads is None else args.heads
+    ablation.model_for(heads)  # ValueError here, at the command line, if d_model % heads
+    return ModelSpec(args.preset, ablation, heads, ablation.seed if args.seed is None else args.seed)
+
+
+def describe_model(model: ModelConfig, task) -> str:
+    layers = f"{model.num_layers} layer{'s' if model.num_layers > 1 else ''}"
+    return (f"{layers} x {model.num_heads} heads, d_model={model.d_model}, copy L={task.length}"
+            f"{' reversed' if task.reverse else ''} (T={task.seq_len})")
+
+
+@dataclasses.dataclass
+class StudyModel:
+    """The model a study analyses and where it came from."""
+
+    params: Any
+    config: ModelConfig
+    task: CopyTaskConfig
+    source: dict  # kind ("checkpoint", "trained", "untrained"), path, why
+
+
+def _load_checked(path: Path):
+    """`(params, config, task)` of a checkpoint; SystemExit with one line if unusable."""
+    try:
+        params, config, metadata = load_checkpoint(path)
+        if "task" not in metadata:
+            raise ValueError(f"checkpoint {path} does not say which task it was trained on (no 'task' metadata)")
+        task = task_from_dict(metadata["task"])
+        if config.vocab_size != task.vocab_size or config.max_len < task.seq_len:
+            raise ValueError(f"checkpoint {path}: its model does not fit its task")
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    return params, config, task
+
+
+def candidate_checkpoints(spec: ModelSpec, out: Path) -> list[Path]:
+    """Where the preset's model may already be: the ablation's folder, then what the
+    pruning or attention-map study trained (deduplicated, in that order)."""
+    paths = [default_out(study, spec.preset) / "checkpoints" / spec.filename
+             for study in ("head_ablation", "head_pruning", "attention_maps")] + [out / "checkpoints" / spec.filename]
+    return list(dict.fromkeys(paths))
+
+
+def find_model(spec: ModelSpec, out: Path, checkpoint: Path | None, retrain: bool) -> StudyModel | None:
+    """The model to analyse if one is on disk; prints the first line of output,
+    which says which checkpoint is used and why (or why one is skipped)."""
+    if checkpoint is not None:
+        params, config, task = _load_checked(checkpoint)
+        print(f"model: {checkpoint}, given by --checkpoint ({describe_model(config, task)})", flush=True)
+        return StudyModel(params, config, task, {"kind": "checkpoint", "path": str(checkpoint), "why": "--checkpoint"})
+    for path in [] if retrain else candidate_checkpoints(spec, out):
+        if not path.exists():
+            continue
+        params, config, task = _load_checked(path)
+        if (config, task) != (spec.model, spec.ablation.task):
+            print(f"skipping {path}: it is a {describe_model(config, task)} model, not the {spec.preset} preset's "
+                  f"{describe_model(spec.model, spec.ablation.task)} (pass --checkpoint to analyse it)", flush=True)
+            continue
+        why = f"the --preset {spec.preset} model with {spec.heads} heads, seed {spec.seed}"
+        print(f"model: {path}, {why} ({describe_model(config, task)})", flush=True)
+        return StudyModel(params, config, task, {"kind": "checkpoint", "path": str(path), "why": why})
+    return None
+
+
+def train_model(spec: ModelSpec, out: Path, progress: bool) -> StudyModel:
+    """Trains the preset's model alone (seed `spec.seed`; resumable) into
+    `<out>/checkpoints/`. Alone it stops early on its own accuracy, where the
+    ablation waits for all seeds, so it can differ slightly from the ablation's."""
+    path = out / "checkpoints" / spec.filename
+    state_file = path.with_name(f"h{spec.heads}_seed{spec.seed}_state.msgpack")
+    print(f"model: training the --preset {spec.preset} model with {spec.heads} heads, seed {spec.seed} "
+          f"({describe_model(spec.model, spec.ablation.task)}): no checkpoint of it in "
+          f"{', '.join(map(str, candidate_checkpoints(spec, out)[:3]))}; saving to {path}", flush=True)
+    bar = TrainingBar(spec.ablation.train.num_steps, f"training h={spec.heads}", not progress)
+    try:
+        result = train_seeds(spec.model, spec.ablation.task, spec.ablation.train, [spec.seed], callback=bar,
+                             state_file=state_file)
+    except KeyboardInterrupt:
+        saved = f"training is saved in {state_file}" if state_file.exists() else "training had not reached its first save"
+        raise Interrupted(saved) from None
+    finally:
+        bar.close()
+    params = jax.tree.map(lambda x: x[0], result.state.params)
+    save_checkpoint(path, params, spec.model, {"task": task_to_dict(spec.ablation.task), "heads": spec.heads,
+                                                "seed": spec.seed, "steps_run": result.steps_run})
+    state_file.unlink(missing_ok=True)
+    return StudyModel(params, spec.model, spec.ablation.task,
+                      {"kind": "trained", "path": str(path), "why": "no checkpoint found",
+                       "steps_run": result.steps_run, "wall_seconds": result.wall_seconds,
+                       "final_exact_accuracy": float(result.evals["exact_accuracy"][0, -1])})

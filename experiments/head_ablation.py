@@ -1,211 +1,193 @@
 """Head-count ablation on the delayed copy task (seed 004, exercise E12.2).
 
-Trains the copy-task decoder at several head counts with d_model fixed, several
-seeds each (all seeds of one head count in one vmapped program), and reports
-convergence speed, final accuracy and per-head attention entropy.
+Trains the decoder at several head counts with d_model fixed, several seeds each (all
+seeds of one head count in one vmapped program), and reports convergence speed, final
+accuracy and per-head attention entropy.
 
-    python -m experiments.head_ablation                   # quick preset, under a minute on 2 CPU cores
-    python -m experiments.head_ablation --preset full     # d_model=256, 3 seeds, <= 60 min on 2 CPU cores
+    python -m experiments.head_ablation                   # quick preset, about a minute on 2 CPU cores
+    python -m experiments.head_ablation --preset full     # d_model=256, 3 seeds, 8-18 min on 2 CPU cores
     python -m experiments.head_ablation --heads 1 8 --seeds 2 --steps 3000 --d-model 128 --out DIR
 
-Results go to --out (default results/head_ablation/): results.json, summary.md,
-learning_curves.png, accuracy_vs_heads.png, entropy_per_head.png, and one
-checkpoint per trained model in checkpoints/h{H}_seed{S}.msgpack. They are written
-after every head count; a rerun with the same --out and configuration skips the
-head counts already done (--force retrains them).
+Results go to --out (default results/head_ablation/<preset>/): results.json,
+summary.md, learning_curves.png, accuracy_vs_heads.png, entropy_per_head.png, and one
+checkpoint per trained model in checkpoints/h{H}_seed{S}.msgpack. Results and
+checkpoints are written after every head count, the plots at the end; while a head count trains, its state (parameters, optimizer,
+curves) is saved at every evaluation to checkpoints/h{H}_state.msgpack. A rerun with
+the same --out and configuration skips the finished head counts and continues an
+interrupted one from its last saved step (--force starts over).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import json
-import sys
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from experiments.common import run_metadata, save_figure, use_agg_backend, write_atomic, write_json
-from jax_mha.checkpoint import save_checkpoint
-from jax_mha.data import CopyTaskConfig, chance_accuracy
-from jax_mha.models import ModelConfig
-from jax_mha.train import SeedsResult, TrainConfig, train_seeds
+from experiments import common, plotting
+from experiments.common import AblationConfig, Interrupted, save_figure, write_atomic, write_json
+from jax_mha import parallel
+from jax_mha.checkpoint import save_checkpoint, train_state_metadata
+from jax_mha.data import chance_accuracy, task_from_dict, task_to_dict
+from jax_mha.train import SeedsResult, train_seeds
+
+MODULE = "experiments.head_ablation"
+RECORD_KEYS = {"heads", "head_dim", "steps_run", "wall_seconds", "tokens_per_second", "runs"}
+RUN_KEYS = {"seed", "steps_to_target", "final_token_accuracy", "final_exact_accuracy", "entropy_normalized",
+            "curve", "eval_curve"}
 
 
-@dataclasses.dataclass(frozen=True)
-class AblationConfig:
-    """One sweep: the task, the model (num_heads is swept), training, seeds."""
-
-    heads: tuple[int, ...]
-    num_seeds: int
-    task: CopyTaskConfig
-    model: ModelConfig
-    train: TrainConfig
-
-    def fingerprint(self) -> dict:
-        """Everything that makes two runs comparable; the head list is not part of it,
-        so a sweep can be extended with more head counts into the same folder."""
-        out = {"num_seeds": self.num_seeds, "task": dataclasses.asdict(self.task),
-               "model": dataclasses.asdict(self.model), "train": dataclasses.asdict(self.train)}
-        del out["model"]["num_heads"]
-        return out
+def _mesh_spec(text: str) -> dict[str, int]:
+    try:
+        return parallel.parse_mesh_spec(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def quick() -> AblationConfig:
-    """`python -m experiments.head_ablation`: under a minute on a 2-core CPU, all five
-    head counts, small enough that compile time is a good part of it."""
-    task = CopyTaskConfig(length=8)
-    return AblationConfig(
-        heads=(1, 2, 4, 8, 16),
-        num_seeds=2,
-        task=task,
-        model=ModelConfig(vocab_size=task.vocab_size, max_len=task.seq_len, d_model=64, d_ff=256),
-        train=TrainConfig(batch_size=32, num_steps=600, learning_rate=3e-3, warmup_steps=50,
-                          steps_per_call=50, eval_every=100, eval_size=128),
-    )
-
-
-def full() -> AblationConfig:
-    """`python -m experiments.head_ablation --preset full`: seed 004's E12.2 at
-    d_model=256, 2 layers, 3 seeds, L=16; early stopping once every seed holds 99%
-    exact-sequence accuracy keeps it under an hour on a 2-core CPU."""
-    task = CopyTaskConfig(length=16)
-    return AblationConfig(
-        heads=(1, 2, 4, 8, 16),
-        num_seeds=3,
-        task=task,
-        model=ModelConfig(vocab_size=task.vocab_size, max_len=task.seq_len, d_model=256, d_ff=1024),
-        train=TrainConfig(batch_size=64, num_steps=1500, learning_rate=1e-3, warmup_steps=100,
-                          steps_per_call=50, eval_every=50, eval_size=256),
-    )
-
-
-PRESETS = {"quick": quick, "full": full}
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m experiments.head_ablation",
-        description="Train the delayed copy task at several head counts (fixed d_model) and compare.",
-    )
-    p.add_argument("--preset", choices=sorted(PRESETS), default="quick",
-                   help="base configuration: quick (default, <1 min on CPU) or full (d_model=256, 3 seeds)")
-    p.add_argument("--heads", type=int, nargs="+", help="head counts to sweep (each must divide d_model)")
-    p.add_argument("--seeds", type=int, help="number of seeds per head count (seeds 0..n-1, trained together by vmap)")
-    p.add_argument("--steps", type=int, help="maximum optimizer steps per head count (a multiple of --steps-per-call)")
-    p.add_argument("--d-model", type=int, help="model width, fixed across head counts")
-    p.add_argument("--layers", type=int, help="number of Transformer blocks")
-    p.add_argument("--length", type=int, help="L, symbols per copy (sequences are 2L+3 tokens)")
+def build_parser():
+    p = common.parser(MODULE, "Train the delayed copy task at several head counts (fixed d_model) and compare.",
+                      common.PRESETS)
+    p.add_argument("--task", choices=common.TASK_CHOICES, default="copy", help="what the models learn (default copy)")
+    p.add_argument("--preset", choices=sorted(common.PRESETS), default="quick",
+                   help="base configuration (default quick; every preset's values are listed below)")
+    p.add_argument("--heads", type=common.positive_int, nargs="+", help="head counts to sweep (each must divide d_model)")
+    p.add_argument("--seeds", type=common.positive_int, help="seeds per head count, trained together by vmap")
+    p.add_argument("--seed", type=common.nonnegative_int, help="first seed (default 0): seeds are --seed, --seed + 1, ...")
+    p.add_argument("--steps", type=common.positive_int, help="maximum optimizer steps per head count (a multiple of --steps-per-call)")
+    p.add_argument("--d-model", type=common.positive_int, help="model width, fixed across head counts (d_ff = 4 d_model)")
+    p.add_argument("--layers", type=common.positive_int, help="number of Transformer blocks")
+    p.add_argument("--length", type=common.positive_int,
+                   help="L, symbols per copy: sequences have 2L+3 tokens, the model reads T = 2L+2")
     p.add_argument("--reverse", action="store_true", help="the reverse variant: the second half is reversed")
-    p.add_argument("--batch-size", type=int, help="sequences per optimizer step")
-    p.add_argument("--lr", type=float, help="peak AdamW learning rate")
-    p.add_argument("--steps-per-call", type=int, help="optimizer steps fused into one compiled call")
-    p.add_argument("--eval-every", type=int, help="steps between held-out evaluations")
+    p.add_argument("--batch-size", type=common.positive_int, help="sequences per optimizer step")
+    p.add_argument("--lr", type=common.positive_float, help="peak AdamW learning rate")
+    p.add_argument("--steps-per-call", type=common.positive_int, help="optimizer steps fused into one compiled call")
+    p.add_argument("--eval-every", type=common.positive_int, help="steps between held-out evaluations (a multiple of --steps-per-call)")
     p.add_argument("--no-early-stop", action="store_true", help="always run --steps steps")
-    p.add_argument("--out", type=Path, default=Path("results/head_ablation"), help="output folder")
-    p.add_argument("--force", action="store_true", help="retrain head counts already in --out")
+    p.add_argument("--out", type=Path, help="output folder (default results/head_ablation/<preset>, -reverse appended)")
+    p.add_argument("--force", action="store_true", help="discard what --out holds and train every head count again")
     p.add_argument("--measure-vmap-speedup", action="store_true",
                    help="also time vmap over seeds against a Python loop over seeds (4 chunks each, largest head count)")
-    p.add_argument("--mesh", help="run sharded on a device mesh, e.g. 'data=2,model=2' (heads split over "
+    p.add_argument("--mesh", type=_mesh_spec, help="run sharded on a device mesh, e.g. 'data=2,model=2' (heads split over "
                    "'model', the batch over 'data'; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=4)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
 
 
-def build_config(args: argparse.Namespace) -> AblationConfig:
-    """The preset with command-line overrides applied."""
-    base = PRESETS[args.preset]()
-    task = dataclasses.replace(
-        base.task,
-        **{k: v for k, v in (("length", args.length), ("reverse", args.reverse or None)) if v is not None},
-    )
-    model = dataclasses.replace(
-        base.model, vocab_size=task.vocab_size, max_len=task.seq_len,
-        **{k: v for k, v in (("d_model", args.d_model), ("num_layers", args.layers)) if v is not None},
-    )
+def build_config(args) -> AblationConfig:
+    """The preset with command-line overrides applied (ValueError on a bad mix)."""
+    base = common.PRESETS[args.preset]()
+    heads = tuple(args.heads) if args.heads else base.heads
+    analysis = base.analysis_heads if base.analysis_heads in heads else max(heads)
+    task = dataclasses.replace(base.task, **_given(length=args.length, reverse=args.reverse or None))
+    model = dataclasses.replace(base.model, vocab_size=task.vocab_size, max_len=task.seq_len, num_heads=analysis,
+                                **_given(d_model=args.d_model, num_layers=args.layers))
     if args.d_model is not None:
         model = dataclasses.replace(model, d_ff=4 * args.d_model)
-    overrides = {"num_steps": args.steps, "batch_size": args.batch_size, "learning_rate": args.lr,
-                 "steps_per_call": args.steps_per_call, "eval_every": args.eval_every}
-    if args.no_early_stop:
-        overrides["early_stop"] = False
     train = base.train
+    overrides = _given(num_steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr,
+                       steps_per_call=args.steps_per_call, eval_every=args.eval_every,
+                       early_stop=False if args.no_early_stop else None)
     if args.steps_per_call is not None and args.eval_every is None:
         overrides["eval_every"] = max(train.eval_every // args.steps_per_call, 1) * args.steps_per_call
-    train = dataclasses.replace(train, **{k: v for k, v in overrides.items() if v is not None})
-    heads = tuple(args.heads) if args.heads else base.heads
-    bad = [h for h in heads if h < 1 or model.d_model % h]
-    if bad:
-        raise SystemExit(f"error: d_model={model.d_model} is not divisible by num_heads={bad[0]}")
-    return AblationConfig(heads=heads, num_seeds=args.seeds or base.num_seeds, task=task, model=model, train=train)
+    train = dataclasses.replace(train, **overrides)
+    return AblationConfig(heads=heads, num_seeds=args.seeds or base.num_seeds, task=task, model=model, train=train,
+                          seed=base.seed if args.seed is None else args.seed, analysis_heads=analysis)
+
+
+def _given(**kw):
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+def _make_mesh(args, cfg: AblationConfig):
+    mesh = parallel.make_mesh(**args.mesh)
+    for h in cfg.heads:
+        parallel.check_heads_divisible(h, mesh)
+    parallel.check_batch_divisible(cfg.train.batch_size, mesh)
+    return mesh
+
+
+def parse(argv):
+    """`(args, config, mesh or None)`; every bad value ends in `error:` and exit 2."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    cfg = common.build_or_exit(p, lambda: build_config(args))
+    mesh = common.build_or_exit(p, lambda: _make_mesh(args, cfg)) if args.mesh else None
+    if args.out is None:
+        args.out = common.default_out("head_ablation", args.preset, args.task, args.reverse)
+    return args, cfg, mesh
+
+
+# ----------------------------------------------------------------- results
 
 
 def summarize_heads(h: int, result: SeedsResult, cfg: AblationConfig) -> dict:
     """The JSON record of one head count: per-seed runs plus timings."""
     ev = result.evals
-    runs = []
-    for i, seed in enumerate(result.seeds):
-        runs.append({
-            "seed": seed,
-            "steps_to_target": result.steps_to_target[i],
-            "final_token_accuracy": float(ev["token_accuracy"][i, -1]),
-            "final_exact_accuracy": float(ev["exact_accuracy"][i, -1]),
-            "final_loss": float(ev["loss"][i, -1]),
-            "entropy": ev["entropy"][i, -1],  # (layers, H) nats
-            "entropy_normalized": ev["entropy_normalized"][i, -1],  # (layers, H), / ln(visible keys)
-            "confidence": ev["confidence"][i, -1],  # (layers, H) mean max weight
-            "curve": {"step": result.curve["step"], "loss": result.curve["loss"][i],
-                      "accuracy": result.curve["accuracy"][i]},
-            "eval_curve": {"step": ev["step"], "token_accuracy": ev["token_accuracy"][i],
-                           "exact_accuracy": ev["exact_accuracy"][i], "loss": ev["loss"][i]},
-        })
+    runs = [{
+        "seed": seed,
+        "steps_to_target": result.steps_to_target[i],
+        "final_token_accuracy": float(ev["token_accuracy"][i, -1]),
+        "final_exact_accuracy": float(ev["exact_accuracy"][i, -1]),
+        "final_loss": float(ev["loss"][i, -1]),
+        "entropy": ev["entropy"][i, -1],  # (layers, H) nats
+        "entropy_normalized": ev["entropy_normalized"][i, -1],  # (layers, H), / ln(visible keys)
+        "confidence": ev["confidence"][i, -1],  # (layers, H) mean max weight
+        "curve": {"step": result.curve["step"], "loss": result.curve["loss"][i], "accuracy": result.curve["accuracy"][i]},
+        "eval_curve": {"step": ev["step"], "token_accuracy": ev["token_accuracy"][i],
+                       "exact_accuracy": ev["exact_accuracy"][i], "loss": ev["loss"][i]},
+    } for i, seed in enumerate(result.seeds)]
+    tokens_per_program_step = cfg.train.batch_size * cfg.task.seq_len * len(result.seeds)
     return {
-        "heads": h,
-        "head_dim": cfg.model.d_model // h,
-        "steps_run": result.steps_run,
-        "wall_seconds": result.wall_seconds,
-        "train_seconds": result.train_seconds,
+        "heads": h, "head_dim": cfg.model.d_model // h, "steps_run": result.steps_run,
+        "stop_reason": result.stop_reason, "resumed_from": result.resumed_from,
+        "wall_seconds": result.wall_seconds, "train_seconds": result.train_seconds,
         "tokens_per_second": result.tokens_per_second,
         # One program step advances every seed by one optimizer step.
-        "program_steps_per_second": result.tokens_per_second / (cfg.train.batch_size * cfg.task.seq_len * len(result.seeds)),
+        "program_steps_per_second": result.tokens_per_second / tokens_per_program_step,
         "runs": runs,
     }
 
 
 def mean_std(values) -> tuple[float, float]:
-    v = np.asarray([np.nan if x is None else x for x in values], dtype=float)
-    return float(np.nanmean(v)) if np.any(np.isfinite(v)) else float("nan"), float(np.nanstd(v)) if np.any(np.isfinite(v)) else float("nan")
+    """Mean and standard deviation, ignoring None (a seed that never reached a target)."""
+    v = np.asarray([x for x in values if x is not None], dtype=float)
+    v = v[np.isfinite(v)]
+    return (float(v.mean()), float(v.std())) if v.size else (float("nan"), float("nan"))
+
+
+def _table_row(r: dict) -> str:
+    runs = r["runs"]
+    reached = [x["steps_to_target"] for x in runs]
+    n_reached = sum(x is not None for x in reached)
+    s_mean, s_std = mean_std(reached)
+    steps = f"{s_mean:.0f} ± {s_std:.0f}" if n_reached else "never"
+    if 0 < n_reached < len(runs):
+        steps += f" ({n_reached}/{len(runs)} seeds)"
+    tok = mean_std([x["final_token_accuracy"] for x in runs])
+    ex = mean_std([x["final_exact_accuracy"] for x in runs])
+    ent = mean_std([np.mean(x["entropy_normalized"]) for x in runs])
+    return (f"| {r['heads']} | {r['head_dim']} | {steps} | {tok[0]:.4f} ± {tok[1]:.4f} | {ex[0]:.4f} ± {ex[1]:.4f} "
+            f"| {ent[0]:.3f} ± {ent[1]:.3f} | {r['steps_run']} | {r['wall_seconds']:.0f} | {r['tokens_per_second']:,.0f} |")
 
 
 def summary_table(results: dict) -> str:
     """Markdown table, one row per head count (mean ± std over seeds)."""
     cfg = results["config"]
+    t = cfg["task"]
     lines = [
-        f"Delayed copy, L={cfg['task']['length']}{' (reversed)' if cfg['task']['reverse'] else ''}, "
-        f"d_model={cfg['model']['d_model']}, {cfg['model']['num_layers']} layers, {cfg['num_seeds']} seeds, "
-        f"batch {cfg['train']['batch_size']}, ≤ {cfg['train']['num_steps']} steps. Mean ± std over seeds.",
+        f"Delayed copy, L={t['length']}{' (reversed)' if t['reverse'] else ''} (the model reads T={2 * t['length'] + 2} "
+        f"tokens), d_model={cfg['model']['d_model']}, {cfg['model']['num_layers']} layers, {cfg['num_seeds']} seeds "
+        f"from {cfg['seed']}, batch {cfg['train']['batch_size']}, ≤ {cfg['train']['num_steps']} steps. "
+        "Mean ± std over seeds.",
         "",
         "| heads | head dim | steps to 99% token acc | final token acc | final exact-seq acc | norm. entropy (mean over heads) | steps run | wall s | tokens/s |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for key in sorted(results["heads"], key=int):
-        r = results["heads"][key]
-        runs = r["runs"]
-        reached = [x["steps_to_target"] for x in runs]
-        s_mean, s_std = mean_std(reached)
-        n_reached = sum(x is not None for x in reached)
-        steps = f"{s_mean:.0f} ± {s_std:.0f}" if n_reached else "never"
-        if 0 < n_reached < len(runs):
-            steps += f" ({n_reached}/{len(runs)} seeds)"
-        tok = mean_std([x["final_token_accuracy"] for x in runs])
-        ex = mean_std([x["final_exact_accuracy"] for x in runs])
-        ent = mean_std([np.mean(x["entropy_normalized"]) for x in runs])
-        lines.append(
-            f"| {r['heads']} | {r['head_dim']} | {steps} | {tok[0]:.4f} ± {tok[1]:.4f} | {ex[0]:.4f} ± {ex[1]:.4f} "
-            f"| {ent[0]:.3f} ± {ent[1]:.3f} | {r['steps_run']} | {r['wall_seconds']:.0f} | {r['tokens_per_second']:,.0f} |"
-        )
+    lines += [_table_row(results["heads"][key]) for key in sorted(results["heads"], key=int)]
     if "vmap_speedup" in results:
         v = results["vmap_speedup"]
         lines += ["", f"vmap over {v['num_seeds']} seeds vs a Python loop over seeds (h={v['heads']}): "
@@ -216,167 +198,133 @@ def summary_table(results: dict) -> str:
 
 def plot_results(results: dict, out: Path) -> None:
     """learning_curves.png, accuracy_vs_heads.png, entropy_per_head.png."""
-    import matplotlib.pyplot as plt
-
-    keys = sorted(results["heads"], key=int)
-    colors = plt.cm.viridis(np.linspace(0, 0.9, max(len(keys), 1)))
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    for color, key in zip(colors, keys):
-        runs = results["heads"][key]["runs"]
-        for ax, field, curve_name in ((axes[0], "loss", "curve"), (axes[1], "exact_accuracy", "eval_curve")):
-            steps = np.asarray(runs[0][curve_name]["step"])
-            values = np.asarray([r[curve_name][field] for r in runs], dtype=float)
-            mean = values.mean(0)
-            ax.plot(steps, mean, color=color, label=f"h={key}")
-            ax.fill_between(steps, values.min(0), values.max(0), color=color, alpha=0.2)
-    axes[0].set(yscale="log", xlabel="optimizer step", ylabel="training loss (scored positions)",
-                title="Training loss (mean, band = min–max over seeds)")
-    axes[1].set(xlabel="optimizer step", ylabel="held-out exact-sequence accuracy", ylim=(-0.02, 1.02),
-                title="Greedy-decoded copy accuracy (held out)")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(title="heads")
-    save_figure(fig, out / "learning_curves.png")
-
-    heads = np.asarray([int(k) for k in keys])
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    for field, label, marker in (("final_token_accuracy", "token accuracy (teacher forced)", "o"),
-                                 ("final_exact_accuracy", "exact-sequence accuracy (greedy)", "s")):
-        stats = np.asarray([mean_std([r[field] for r in results["heads"][k]["runs"]]) for k in keys])
-        axes[0].errorbar(heads, stats[:, 0], yerr=stats[:, 1], marker=marker, capsize=4, label=label)
-    chance = chance_accuracy(CopyTaskConfig(**results["config"]["task"]))
-    axes[0].axhline(chance, color="grey", ls=":", label=f"no-attention chance ({chance:.2f})")
-    axes[0].set(xscale="log", xlabel="number of heads h (d_model fixed)", ylabel="final held-out accuracy",
-                title="Final accuracy vs head count", ylim=(0, 1.05))
-    axes[0].set_xticks(heads, [str(h) for h in heads])
-    axes[0].legend(loc="lower right")
-    steps_stats = []
-    for k in keys:
-        reached = [r["steps_to_target"] for r in results["heads"][k]["runs"]]
-        steps_stats.append(mean_std(reached))
-    steps_stats = np.asarray(steps_stats)
-    axes[1].errorbar(heads, steps_stats[:, 0], yerr=steps_stats[:, 1], marker="o", capsize=4)
-    axes[1].set(xscale="log", xlabel="number of heads h (d_model fixed)", ylabel="steps to 99% held-out token accuracy",
-                title="Convergence speed (missing point = never reached)")
-    axes[1].set_xticks(heads, [str(h) for h in heads])
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    save_figure(fig, out / "accuracy_vs_heads.png")
-
-    layers = results["config"]["model"]["num_layers"]
-    fig, axes = plt.subplots(len(keys), 1, figsize=(10, 1.9 * len(keys) + 0.9), squeeze=False)
-    for ax, key in zip(axes[:, 0], keys):
-        h = int(key)
-        # Head indices are arbitrary (any permutation is the same model), so heads are
-        # ranked by entropy within each seed and layer before averaging over seeds.
-        ent = np.sort(np.asarray([r["entropy_normalized"] for r in results["heads"][key]["runs"]]), axis=-1)
-        width = 0.8 / layers
-        for layer in range(layers):
-            x = np.arange(h) + (layer - (layers - 1) / 2) * width
-            ax.bar(x, ent[:, layer].mean(0), width, yerr=ent[:, layer].std(0), capsize=2,
-                   label=f"layer {layer}", color=plt.cm.tab10(layer))
-        ax.set(ylim=(0, 1), ylabel=f"h={h}", xticks=np.arange(h))
-        ax.grid(alpha=0.3, axis="y")
-    axes[0, 0].legend(ncol=layers, loc="upper left", fontsize=8)
-    axes[-1, 0].set_xlabel("head rank within its layer (0 = most focused)")
-    fig.suptitle("Attention entropy per head at scored queries, normalised by ln(#visible keys)\n"
-                 "(0 = attends to one key, 1 = uniform; mean ± std over seeds)")
-    save_figure(fig, out / "entropy_per_head.png")
+    runs = {int(k): r["runs"] for k, r in results["heads"].items()}
+    curves = {h: {"step": rs[0]["curve"]["step"], "loss": [r["curve"]["loss"] for r in rs],
+                  "eval_step": rs[0]["eval_curve"]["step"], "exact_accuracy": [r["eval_curve"]["exact_accuracy"] for r in rs]}
+              for h, rs in runs.items()}
+    save_figure(plotting.learning_curves(curves), out / "learning_curves.png")
+    chance = chance_accuracy(task_from_dict(results["config"]["task"]))
+    stats = {h: {field: mean_std([r[field] for r in rs]) for field in
+                 ("final_token_accuracy", "final_exact_accuracy", "steps_to_target")} for h, rs in runs.items()}
+    save_figure(plotting.accuracy_vs_heads(stats, chance), out / "accuracy_vs_heads.png")
+    entropy = {h: np.asarray([r["entropy_normalized"] for r in rs]) for h, rs in runs.items()}
+    save_figure(plotting.entropy_per_head(entropy), out / "entropy_per_head.png")
 
 
-def load_existing(path: Path, cfg: AblationConfig, force: bool) -> dict | None:
-    """The finished part of an earlier run with the same configuration, if any."""
+def _results_problem(data) -> str | None:
+    """What makes a loaded results.json unusable, or None."""
+    if not isinstance(data, dict):
+        return f"it holds a JSON {type(data).__name__}, not an object"
+    for key, kind in (("config", dict), ("metadata", dict), ("heads", dict)):
+        if not isinstance(data.get(key), kind):
+            return f"its {key!r} entry is missing or not an object"
+    for h, record in data["heads"].items():
+        if not (isinstance(record, dict) and RECORD_KEYS <= set(record) and isinstance(record["runs"], list)
+                and record["runs"] and all(isinstance(r, dict) and RUN_KEYS <= set(r) for r in record["runs"])):
+            return f"the record of h={h} is incomplete"
+    return None
+
+
+def start_results(path: Path, cfg: AblationConfig, force: bool) -> dict:
+    """The finished part of an earlier run with the same configuration, or a fresh
+    record. Exits with one line if the file is damaged or of another configuration."""
+    fresh = {"config": cfg.fingerprint(), "metadata": common.run_metadata(), "heads": {}}
+    if force:
+        for stale in path.parent.glob("checkpoints/h*_state.msgpack"):
+            stale.unlink()
     if force or not path.exists():
-        return None
-    try:
-        old = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        raise SystemExit(f"error: {path} is not valid JSON; rerun with --force to overwrite it") from None
-    if old.get("config") != json.loads(json.dumps(cfg.fingerprint())):
-        raise SystemExit(
-            f"error: {path} holds results of a different configuration; use another --out or --force to overwrite"
-        )
+        return fresh
+    old = common.read_results(path, _results_problem)
+    if old["config"] != fresh["config"]:
+        differ = sorted(k for k in fresh["config"] if old["config"].get(k) != fresh["config"][k])
+        raise SystemExit(f"error: {path} holds results of a different configuration (differs in {differ}); "
+                         "use another --out, or --force to overwrite")
     return old
+
+
+# ----------------------------------------------------------------- training
+
+
+def train_head_count(h: int, cfg: AblationConfig, args, mesh, status: dict) -> dict:
+    """Trains (or resumes) every seed of one head count, saves one checkpoint per
+    seed, and returns its results record; `status` says which training state file
+    holds the run until the record is saved."""
+    model = cfg.model_for(h)
+    state_file = args.out / "checkpoints" / f"h{h}_state.msgpack"
+    if state_file.exists():
+        print(f"h={h}: resuming from the training state saved in {state_file}", flush=True)
+    bar = common.TrainingBar(cfg.train.num_steps, f"h={h:>2}", args.no_progress)
+    status.update(heads=h, state_file=state_file)
+    try:
+        result = train_seeds(model, cfg.task, cfg.train, cfg.seeds, mesh=mesh, callback=bar, state_file=state_file)
+    except ValueError as e:  # a state file of another run, or damaged
+        raise SystemExit(f"error: {e}; or rerun with --force") from None
+    finally:
+        bar.close()
+    for i, seed in enumerate(result.seeds):
+        params = jax.tree.map(lambda x: x[i], result.state.params)
+        save_checkpoint(args.out / "checkpoints" / f"h{h}_seed{seed}.msgpack", params, model,
+                        {"task": task_to_dict(cfg.task), "heads": h, "seed": seed, "steps_run": result.steps_run})
+    return summarize_heads(h, result, cfg)
 
 
 def measure_vmap_speedup(cfg: AblationConfig, heads: int) -> dict:
     """Training throughput of all seeds in one vmapped program vs a loop over seeds."""
     train = dataclasses.replace(cfg.train, num_steps=4 * cfg.train.steps_per_call, early_stop=False,
                                 eval_every=4 * cfg.train.steps_per_call)
-    model = dataclasses.replace(cfg.model, num_heads=heads)
-    seeds = list(range(cfg.num_seeds))
-    vm = train_seeds(model, cfg.task, train, seeds, use_vmap=True)
-    loop = train_seeds(model, cfg.task, train, seeds, use_vmap=False)
-    return {"heads": heads, "num_seeds": len(seeds), "timed_steps": 3 * train.steps_per_call,
+    model = cfg.model_for(heads)
+    vm = train_seeds(model, cfg.task, train, cfg.seeds, use_vmap=True)
+    loop = train_seeds(model, cfg.task, train, cfg.seeds, use_vmap=False)
+    return {"heads": heads, "num_seeds": cfg.num_seeds, "timed_steps": 3 * train.steps_per_call,
             "vmap_tokens_per_second": vm.tokens_per_second, "loop_tokens_per_second": loop.tokens_per_second,
             "speedup": vm.tokens_per_second / loop.tokens_per_second}
 
 
+def describe_saved(results: dict, path: Path, status: dict) -> str:
+    """The Ctrl-C line's account of what is on disk (the training state file itself
+    says which step it holds: a save can land just before the interrupt)."""
+    done = sorted(map(int, results["heads"]))
+    parts = [f"head counts {', '.join(map(str, done))} are finished in {path}" if done else "no head count finished"]
+    state_file = status.get("state_file")
+    if status.get("heads") is not None and state_file is not None and state_file.exists():
+        with contextlib.suppress(ValueError):
+            parts.append(f"h={status['heads']} is saved at step {train_state_metadata(state_file)['step']}")
+    return "; ".join(parts)
+
+
 def main(argv=None) -> dict:
-    args = parse_args(argv)
-    cfg = build_config(args)
-    use_agg_backend()
+    args, cfg, mesh = parse(argv)
+    common.use_agg_backend()
     out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.json"
-    results = load_existing(results_path, cfg, args.force) or {
-        "config": cfg.fingerprint(), "metadata": run_metadata(), "heads": {},
-    }
+    results = start_results(results_path, cfg, args.force)
+    print(f"copy task: {common.describe_preset(cfg)}; writing to {out}/", flush=True)
 
-    from tqdm.auto import tqdm
-
-    mesh = None
-    if args.mesh:
-        from jax_mha import parallel
-
-        try:
-            mesh = parallel.make_mesh(**parallel.parse_mesh_spec(args.mesh))
-            for h in cfg.heads:
-                parallel.check_heads_divisible(h, mesh)
-            parallel.check_batch_divisible(cfg.train.batch_size, mesh)
-        except ValueError as e:
-            raise SystemExit(f"error: --mesh {args.mesh}: {e}") from None
-
-    def finish():
+    def save():
         write_json(results_path, results)
         write_atomic(out / "summary.md", summary_table(results))
-        plot_results(results, out)
 
-    for h in cfg.heads:
-        if str(h) in results["heads"]:
-            print(f"h={h}: already in {results_path}, skipped (--force retrains)")
-            continue
-        model = dataclasses.replace(cfg.model, num_heads=h)
-        bar = tqdm(total=cfg.train.num_steps, desc=f"h={h:>2}", disable=args.no_progress, unit="step", leave=True)
-        held_out = {}
-
-        def progress(report):
-            if "eval" in report:
-                held_out["exact"] = float(np.mean(report["eval"]["exact_accuracy"]))
-            bar.update(report["step"] - bar.n)
-            bar.set_postfix(loss=f"{report['loss']:.4f}", acc=f"{report['accuracy']:.3f}",
-                            heldout_exact=f"{held_out.get('exact', float('nan')):.3f}")
-
-        result = train_seeds(model, cfg.task, cfg.train, range(cfg.num_seeds), mesh=mesh, callback=progress)
-        bar.close()
-        for i, seed in enumerate(result.seeds):
-            params = jax.tree.map(lambda x: x[i], result.state.params)
-            save_checkpoint(out / "checkpoints" / f"h{h}_seed{seed}.msgpack", params, model,
-                            {"task": dataclasses.asdict(cfg.task), "heads": h, "seed": seed})
-        results["heads"][str(h)] = summarize_heads(h, result, cfg)
-        finish()
-
-    if args.measure_vmap_speedup:
-        results["vmap_speedup"] = measure_vmap_speedup(cfg, max(cfg.heads))
-        finish()
-    elif results["heads"]:
-        finish()
-    print()
-    print(summary_table(results))
+    status: dict = {}
+    todo = [h for h in cfg.heads if str(h) not in results["heads"]]
+    for h in sorted(set(cfg.heads) - set(todo)):
+        print(f"h={h}: already in {results_path}, skipped (--force retrains)")
+    try:
+        for h in todo:
+            results["heads"][str(h)] = train_head_count(h, cfg, args, mesh, status)
+            save()
+            status["state_file"].unlink(missing_ok=True)  # all it held is in results.json and the checkpoints now
+            status.update(heads=None)
+        if args.measure_vmap_speedup:
+            results["vmap_speedup"] = measure_vmap_speedup(cfg, max(cfg.heads))
+            save()
+    except KeyboardInterrupt:
+        raise Interrupted(describe_saved(results, results_path, status)) from None
+    if results["heads"]:
+        plot_results(results, out)  # once, at the end (a rerun redraws them from results.json)
+    print("\n" + summary_table(results))
     print(f"wrote {results_path}, summary.md and plots to {out}/")
     return results
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    common.cli(main, MODULE)

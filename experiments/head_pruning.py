@@ -1,29 +1,30 @@
 """Head importance and iterative head pruning (seed 004, exercise E12.3; Michel et al. 2019).
 
-Takes a trained 8-head, 2-layer copy-task model, scores every head two ways — the
-gradient proxy I(l,h) = mean_n |∂L_n/∂ξ(l,h)| and the "oracle" accuracy drop when the
-head alone is removed — then prunes heads one at a time in each order, re-ranking the
-remaining heads after every step, and reports how many can go before accuracy falls
-more than 1 point below the unpruned model.
+Takes a trained copy-task model (by default the `head_ablation --preset full` model
+with 8 heads, seed 0), scores every head two ways — the gradient proxy
+I(l,h) = mean_n |∂L_n/∂ξ(l,h)| and the "oracle" accuracy drop when the head alone is
+removed — then prunes heads one at a time in each order, re-ranking the remaining
+heads after every step, and reports how many can go before accuracy falls more than
+1 point below the unpruned model.
 
-    python -m experiments.head_pruning                      # quick preset (a few minutes on 2 CPU cores)
-    python -m experiments.head_pruning --checkpoint results/head_ablation/checkpoints/h8_seed1.msgpack
-    python -m experiments.head_pruning --retrain --train-steps 1000 --out DIR
+    python -m experiments.head_pruning                      # the full preset's h=8 seed-0 model
+    python -m experiments.head_pruning --preset quick       # the quick ablation's h=8 model
+    python -m experiments.head_pruning --checkpoint results/head_ablation/full/checkpoints/h8_seed1.msgpack
 
-The model comes from --checkpoint; without it, from the first of the preset's
-default checkpoints that exists (the head-ablation run's h8_seed0, then one trained
-earlier by this study or by experiments.attention_maps); failing those, a fresh model
-is trained with `jax_mha.train.train_seeds` and saved to <out>/checkpoints/.
+The first line of output names the model and why it is the one: --checkpoint if
+given; else the preset's model from results/head_ablation/<preset>/checkpoints/ (or
+one this study or attention_maps trained), whose configuration is checked against the
+preset (a mismatch is skipped, with a line saying so); failing those, the preset's
+model is trained (resumably) and saved to <out>/checkpoints/.
 
-Writes to --out (default results/head_pruning/): results.json, pruning_curves.png,
-importance_heatmap.png, surviving_heads_importance.png, surviving_heads_oracle.png.
+Writes to --out (default results/head_pruning/<preset>/): results.json,
+pruning_curves.png, importance_heatmap.png, surviving_heads_importance.png,
+surviving_heads_oracle.png.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
 import time
 from pathlib import Path
 
@@ -31,172 +32,71 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import plotting
-from experiments.common import run_metadata, save_figure, use_agg_backend, write_json
+from experiments import common, plotting
+from experiments.common import Interrupted, save_figure, write_json
 from jax_mha import analysis
-from jax_mha.checkpoint import load_checkpoint, save_checkpoint
-from jax_mha.data import EOS, CopyTaskConfig, chance_accuracy, make_batch
-from jax_mha.models import CopyTransformer, ModelConfig
-from jax_mha.train import TrainConfig, train_seeds
+from jax_mha.data import EOS, chance_accuracy, task_to_dict
+from jax_mha.models import Decoder
 
-ABLATION_CHECKPOINT = "results/head_ablation/checkpoints/h8_seed0.msgpack"
+MODULE = "experiments.head_pruning"
+ORDER_LABELS = {"importance": "by gradient importance I(l,h)", "oracle": "by oracle (accuracy drop)"}
 
 
 @dataclasses.dataclass(frozen=True)
 class PruningConfig:
-    """One pruning study: where the model comes from and how it is scored."""
+    """How the heads are scored and pruned."""
 
-    task: CopyTaskConfig  # used when training; a loaded checkpoint's own task wins
-    model: ModelConfig  # the model trained when no checkpoint is found
-    train: TrainConfig  # the fallback training budget
-    default_checkpoints: tuple[str, ...]  # tried in order when --checkpoint is not given
-    seed: int = 0  # training seed of the fallback model
     eval_size: int = 512  # sequences scoring every accuracy: 1 point = ~87 of 8,704 tokens at L=16
     score_size: int = 256  # other sequences, for the rankings: heads are not chosen on the eval set
-    eval_seed: int = 2**31 - 3  # apart from training (PRNGKey(seed) streams) and train's eval set (2**31 - 1)
+    eval_seed: int = common.ANALYSIS_EVAL_SEED  # apart from training and train's eval set (2**31 - 1)
     score_seed: int = 2**31 - 5
     max_drop: float = 0.01  # the stop rule: more than 1 accuracy point below the unpruned model
     heads_per_step: int = 1  # 16 heads: one at a time gives the whole curve
     chunk_size: int | None = 6  # gate configurations per vmap chunk: bounds memory of the 17-way ablation
     example_index: int = 0  # the eval sequence whose attention maps are drawn
 
-
-def quick() -> PruningConfig:
-    """Default: seed 004's setting (L=16, d_model=256, 8 heads, 2 layers), the same as
-    `experiments.head_ablation --preset full`; fallback training stops early at 99%
-    exact-sequence accuracy, about 2 minutes on 2 CPU cores."""
-    task = CopyTaskConfig(length=16)
-    return PruningConfig(
-        task=task,
-        model=ModelConfig(vocab_size=task.vocab_size, max_len=task.seq_len, d_model=256, d_ff=1024,
-                          num_heads=8, num_layers=2),
-        train=TrainConfig(batch_size=64, num_steps=1500, learning_rate=1e-3, warmup_steps=100,
-                          steps_per_call=50, eval_every=100, eval_size=256),
-        # The ablation's model, else one trained earlier by this study or by attention_maps.
-        default_checkpoints=(ABLATION_CHECKPOINT, "results/head_pruning/checkpoints/h8_seed0.msgpack",
-                             "results/attention_maps/checkpoints/h8_seed0.msgpack"),
-    )
+    def __post_init__(self):
+        if min(self.eval_size, self.score_size, self.heads_per_step) < 1 or (self.chunk_size or 1) < 1:
+            raise ValueError(f"eval_size={self.eval_size}, score_size={self.score_size}, heads_per_step="
+                             f"{self.heads_per_step} and chunk_size={self.chunk_size} must be >= 1")
+        if not 0 <= self.max_drop <= 1:
+            raise ValueError(f"max_drop must be in [0, 1] (accuracy is in [0, 1]), got {self.max_drop}")
+        if not 0 <= self.example_index < self.eval_size:
+            raise ValueError(f"example_index={self.example_index} must be in [0, eval_size={self.eval_size})")
 
 
-def tiny() -> PruningConfig:
-    """Smoke test (seconds): a 3-head, 2-layer model barely trained on L=5."""
-    task = CopyTaskConfig(length=5, num_symbols=7)
-    return PruningConfig(
-        task=task,
-        model=ModelConfig(vocab_size=task.vocab_size, max_len=task.seq_len, d_model=15, d_ff=22,
-                          num_heads=3, num_layers=2),
-        train=TrainConfig(batch_size=11, num_steps=20, warmup_steps=5, steps_per_call=10, eval_every=10,
-                          eval_size=13),
-        default_checkpoints=(),
-        eval_size=23,
-        score_size=23,  # same shapes as the eval batch: every compiled function is reused
-        chunk_size=None,
-    )
+# The tiny preset's ranking batch has the eval batch's shape: every compiled function is reused.
+PRUNING = {"quick": PruningConfig(), "full": PruningConfig(),
+           "tiny": PruningConfig(eval_size=23, score_size=23, chunk_size=None)}
 
 
-PRESETS = {"quick": quick, "tiny": tiny}
-
-
-def add_model_source_args(p: argparse.ArgumentParser) -> None:
-    """The options choosing the model, shared with experiments.attention_maps."""
-    p.add_argument("--preset", choices=sorted(PRESETS), default="quick",
-                   help="quick (default): 8 heads, 2 layers, d_model=256, L=16; tiny: a seconds-long smoke test")
-    p.add_argument("--checkpoint", type=Path,
-                   help="a checkpoint written by jax_mha.checkpoint.save_checkpoint (e.g. by "
-                        f"experiments.head_ablation); default: the first existing of {quick().default_checkpoints}, "
-                        "else a freshly trained model")
-    p.add_argument("--retrain", action="store_true",
-                   help="ignore default checkpoints and train a fresh model (saved to <out>/checkpoints/)")
-    p.add_argument("--train-steps", type=int,
-                   help="maximum steps of the fallback training (multiple of the preset's steps_per_call, 50 for quick)")
-    p.add_argument("--seed", type=int, help="seed of the fallback training")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m experiments.head_pruning",
-        description="Rank the heads of a trained copy-task model (gradient importance and oracle ablation), "
-                    "prune them iteratively in both orders, and report how many can go before accuracy "
-                    "drops more than --max-drop below the unpruned model.",
-    )
-    add_model_source_args(p)
-    p.add_argument("--max-drop", type=float,
-                   help="stop rule: largest tolerated accuracy loss, absolute, accuracy in [0, 1] (default 0.01 = 1 point)")
-    p.add_argument("--heads-per-step", type=int, help="heads removed per pruning step (default 1)")
-    p.add_argument("--eval-size", type=int, help="held-out sequences every accuracy is measured on")
-    p.add_argument("--score-size", type=int, help="other held-out sequences the rankings are computed on")
+def build_parser():
+    p = common.parser(MODULE, "Rank the heads of a trained copy-task model (gradient importance and oracle "
+                              "ablation), prune them iteratively in both orders, and report how many can go before "
+                              "accuracy drops more than --max-drop below the unpruned model.", common.PRESETS)
+    common.add_model_args(p)
+    p.add_argument("--max-drop", type=common.unit_interval,
+                   help="stop rule: largest tolerated accuracy loss, absolute, in [0, 1] (default 0.01 = 1 point)")
+    p.add_argument("--heads-per-step", type=common.positive_int, help="heads removed per pruning step (default 1)")
+    p.add_argument("--eval-size", type=common.positive_int, help="held-out sequences every accuracy is measured on (default 512)")
+    p.add_argument("--score-size", type=common.positive_int, help="other held-out sequences the rankings are computed on (default 256)")
     p.add_argument("--no-normalize", action="store_true",
                    help="skip Michel et al.'s per-layer l2 normalisation of the importance scores")
-    p.add_argument("--out", type=Path, default=Path("results/head_pruning"), help="output folder")
-    return p.parse_args(argv)
+    p.add_argument("--out", type=Path, help="output folder (default results/head_pruning/<preset>)")
+    return p
 
 
-def build_config(args: argparse.Namespace) -> PruningConfig:
-    """The preset with command-line overrides."""
-    cfg = PRESETS[args.preset]()
-    if args.train_steps is not None:
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_steps=args.train_steps))
-    overrides = {name: getattr(args, name, None) for name in ("seed", "max_drop", "heads_per_step", "eval_size", "score_size")}
-    return dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
-
-
-# ----------------------------------------------------------------- model source
-
-
-def _task_of(metadata: dict, fallback: CopyTaskConfig) -> CopyTaskConfig:
-    return CopyTaskConfig(**metadata["task"]) if "task" in metadata else fallback
-
-
-def _check_fits(model_cfg: ModelConfig, task: CopyTaskConfig, where: str) -> None:
-    if model_cfg.vocab_size != task.vocab_size or model_cfg.max_len < task.seq_len:
-        raise ValueError(
-            f"{where}: model (vocab_size={model_cfg.vocab_size}, max_len={model_cfg.max_len}) does not fit the task "
-            f"(vocab_size={task.vocab_size}, seq_len={task.seq_len})"
-        )
-
-
-def load_or_train(cfg: PruningConfig, *, checkpoint: Path | None, retrain: bool, out: Path,
-                  progress: bool = True) -> tuple:
-    """The model to analyse: `(params, ModelConfig, CopyTaskConfig, source dict)`.
-
-    Order: `checkpoint` (must load); else, unless `retrain`, the first existing of
-    `cfg.default_checkpoints` and `<out>/checkpoints/h{H}_seed{S}.msgpack`; else a model
-    trained with `train_seeds` on `cfg` and saved to that last path.
-
-    Raises:
-      ValueError: naming the file, if a checkpoint cannot be used.
-    """
-    own = out / "checkpoints" / f"h{cfg.model.num_heads}_seed{cfg.seed}.msgpack"
-    candidates = [checkpoint] if checkpoint is not None else ([] if retrain else [*map(Path, cfg.default_checkpoints), own])
-    for path in candidates:
-        if checkpoint is None and not path.exists():
-            continue
-        params, model_cfg, metadata = load_checkpoint(path)
-        task = _task_of(metadata, cfg.task)
-        _check_fits(model_cfg, task, str(path))
-        return params, model_cfg, task, {"kind": "checkpoint", "path": str(path), "metadata": metadata}
-
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=cfg.train.num_steps, desc=f"training h={cfg.model.num_heads}", unit="step", disable=not progress)
-
-    def callback(report):
-        bar.update(report["step"] - bar.n)
-        bar.set_postfix(loss=f"{report['loss']:.4f}", acc=f"{report['accuracy']:.3f}")
-
-    start = time.perf_counter()
-    result = train_seeds(cfg.model, cfg.task, cfg.train, [cfg.seed], callback=callback)
-    bar.close()
-    params = jax.tree.map(lambda x: x[0], result.state.params)
-    metadata = {"task": dataclasses.asdict(cfg.task), "heads": cfg.model.num_heads, "seed": cfg.seed,
-                "steps_run": result.steps_run, "train": dataclasses.asdict(cfg.train)}
-    save_checkpoint(own, params, cfg.model, metadata)
-    source = {"kind": "trained", "path": str(own), "metadata": metadata,
-              "wall_seconds": time.perf_counter() - start,
-              "final_exact_accuracy": float(result.evals["exact_accuracy"][0, -1]),
-              "final_token_accuracy": float(result.evals["token_accuracy"][0, -1])}
-    return params, cfg.model, cfg.task, source
+def parse(argv):
+    """`(args, ModelSpec, PruningConfig)`; every bad value ends in `error:` and exit 2."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    spec = common.build_or_exit(p, lambda: common.model_spec(args))
+    overrides = {k: getattr(args, k) for k in ("max_drop", "heads_per_step", "eval_size", "score_size")}
+    cfg = common.build_or_exit(p, lambda: dataclasses.replace(
+        PRUNING[args.preset], **{k: v for k, v in overrides.items() if v is not None}))
+    if args.out is None:
+        args.out = common.default_out("head_pruning", args.preset, args.task)
+    return args, spec, cfg
 
 
 # ----------------------------------------------------------------- analysis
@@ -233,7 +133,7 @@ def head_offsets(weights: np.ndarray, scored: np.ndarray) -> tuple[np.ndarray, n
     return profile.argmax(-1), profile.max(-1)
 
 
-def accuracy_breakdown(params, model: CopyTransformer, batch: dict, gates) -> dict:
+def accuracy_breakdown(params, model: Decoder, batch: dict, gates) -> dict:
     """Teacher-forced accuracy on scored positions, split into content symbols and EOS."""
     logits = jax.jit(lambda p, x, g: model.apply({"params": p}, x, head_mask=g))(params, batch["inputs"], jnp.asarray(gates))
     correct = np.asarray(jnp.argmax(logits, -1) == batch["targets"])
@@ -242,134 +142,161 @@ def accuracy_breakdown(params, model: CopyTransformer, batch: dict, gates) -> di
             "eos_accuracy": float(correct[scored & eos].mean())}
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    cfg = build_config(args)
-    use_agg_backend()
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
+def score_heads(m: common.StudyModel, model: Decoder, batches: dict, cfg: PruningConfig, normalize: bool) -> dict:
+    """Accuracy with all heads and with none, and every head's importance and oracle drop."""
+    shape = analysis.gate_shape(model)
+    accuracy = analysis.make_accuracy_fn(m.params, model, batches["eval"])
+    all_off = accuracy_breakdown(m.params, model, batches["eval"], np.zeros(shape, np.float32))
+    # Without attention a position sees only its own token and place: it can still put
+    # EOS right, but a symbol only by luck (1/num_symbols): chance_accuracy.
+    all_off["chance_symbol_accuracy"] = 1.0 / m.task.num_symbols
+    score = batches["score"]
+    return {
+        "base_accuracy": accuracy(jnp.ones(shape)), "all_heads_off_accuracy": accuracy(jnp.zeros(shape)),
+        "all_heads_off": all_off, "chance_accuracy": chance_accuracy(m.task),
+        "importance": np.asarray(analysis.head_importance(m.params, model, score, normalize=normalize)),
+        "importance_raw": np.asarray(analysis.head_importance(m.params, model, score, normalize=False)),
+        "oracle_drop_score_batch": np.asarray(analysis.ablate_each_head(m.params, model, score, chunk_size=cfg.chunk_size)),
+        "oracle_drop_eval_batch": np.asarray(
+            analysis.ablate_each_head(m.params, model, batches["eval"], chunk_size=cfg.chunk_size)),
+    }
+
+
+def prune_both_orders(m: common.StudyModel, model: Decoder, batches: dict, cfg: PruningConfig, normalize: bool,
+                      progress: bool) -> dict[str, analysis.PruningResult]:
+    """Iterative pruning by importance and by oracle, to the end (for whole curves)."""
     from tqdm.auto import tqdm
 
-    params, model_cfg, task, source = load_or_train(
-        cfg, checkpoint=args.checkpoint, retrain=args.retrain, out=out, progress=not args.no_progress)
-    model = CopyTransformer(model_cfg)
-    batch_fn = jax.jit(make_batch, static_argnums=(1, 2))  # eager make_batch compiles op by op
-    eval_batch = batch_fn(jax.random.key(cfg.eval_seed), task, cfg.eval_size)
-    score_batch = batch_fn(jax.random.key(cfg.score_seed), task, cfg.score_size)
-    shape = analysis.gate_shape(model)
-    total = shape[0] * shape[1]
-    normalize = not args.no_normalize
-
-    start = time.perf_counter()
-    accuracy = analysis.make_accuracy_fn(params, model, eval_batch)
-    base_acc = accuracy(jnp.ones(shape))
-    off_acc = accuracy(jnp.zeros(shape))
-    # Without attention a position sees only its own token and place: it can still put
-    # EOS right, but a symbol only by luck (1/num_symbols) — chance_accuracy.
-    all_off = accuracy_breakdown(params, model, eval_batch, np.zeros(shape, np.float32))
-    all_off["chance_symbol_accuracy"] = 1.0 / task.num_symbols
-    chance = chance_accuracy(task)
-    importance = np.asarray(analysis.head_importance(params, model, score_batch, normalize=normalize))
-    importance_raw = np.asarray(analysis.head_importance(params, model, score_batch, normalize=False))
-    oracle = np.asarray(analysis.ablate_each_head(params, model, score_batch, chunk_size=cfg.chunk_size))
-    oracle_eval = np.asarray(analysis.ablate_each_head(params, model, eval_batch, chunk_size=cfg.chunk_size))
-
+    total = int(np.prod(analysis.gate_shape(model)))
     records = {}
     for order in analysis.ORDERS:
-        bar = tqdm(total=total, desc=f"pruning by {order}", unit="head", disable=args.no_progress)
+        bar = tqdm(total=total, desc=f"pruning by {order}", unit="head", disable=not progress)
         callback = lambda step, bar=bar: (bar.update(step.num_pruned - bar.n), bar.set_postfix(acc=f"{step.accuracy:.4f}"))
-        records[order] = analysis.prune_heads_iteratively(
-            params, model, eval_batch, order=order, max_drop=cfg.max_drop, heads_per_step=cfg.heads_per_step,
-            score_batch=score_batch, normalize=normalize, run_to_end=True, chunk_size=cfg.chunk_size,
-            callback=callback,
-        )
-        bar.close()
-    analysis_seconds = time.perf_counter() - start
+        try:
+            records[order] = analysis.prune_heads_iteratively(
+                m.params, model, batches["eval"], order=order, max_drop=cfg.max_drop,
+                heads_per_step=cfg.heads_per_step, score_batch=batches["score"], normalize=normalize,
+                run_to_end=True, chunk_size=cfg.chunk_size, callback=callback)
+        except FloatingPointError as e:
+            raise SystemExit(f"error: pruning by {order}: {e}") from None
+        finally:
+            bar.close()
+    return records
 
-    # Attention of the surviving heads, under the pruned gates (upstream pruning
-    # changes what later layers see).
-    example_tokens = np.asarray(eval_batch["inputs"][cfg.example_index])
-    survivors = {}
-    for order, rec in records.items():
-        gates = rec.surviving_gates()
-        w_all = analysis.attention_weights(params, model, eval_batch["inputs"], jnp.asarray(gates))
-        offset, weight = head_offsets(np.asarray(w_all), np.asarray(eval_batch["scored"]))
-        w_one = np.asarray(w_all)[:, cfg.example_index : cfg.example_index + 1]
-        heads = [(int(l), int(h)) for l, h in zip(*np.nonzero(gates))]
-        survivors[order] = {
-            "gates": gates, "heads": heads, "accuracy": next(s.accuracy for s in rec.steps if s.num_pruned == rec.heads_prunable),
-            "dominant_offset": {f"L{l}H{h}": int(offset[l, h]) for l, h in heads},
-            "weight_at_dominant_offset": {f"L{l}H{h}": float(weight[l, h]) for l, h in heads},
-        }
-        if heads:
-            maps = np.stack([np.asarray(w_one)[l, 0, h] for l, h in heads])
-            titles = [f"layer {l} head {h}: offset {offset[l, h]} ({weight[l, h]:.2f})" for l, h in heads]
-            fig = plotting.attention_grid(
-                maps, example_tokens, titles=titles, ncols=min(4, len(heads)),
-                stripe_offset=task.length,
-                suptitle=(f"The {len(heads)} of {total} heads left after pruning by {order} "
-                          f"(accuracy {survivors[order]['accuracy']:.4f}, unpruned {base_acc:.4f})\n"
-                          f"title: dominant query−key offset at scored queries (mean weight); "
-                          f"dotted: key = query − L, L={task.length}"),
-            )
-            save_figure(fig, out / f"surviving_heads_{order}.png")
 
-    label = {"importance": "by gradient importance I(l,h)", "oracle": "by oracle (accuracy drop)"}
-    fig = plotting.pruning_curves(
-        {label[o]: (r.fractions, r.accuracies) for o, r in records.items()},
-        base_accuracy=base_acc, max_drop=cfg.max_drop, chance=chance,
-        heads_prunable={label[o]: r.heads_prunable for o, r in records.items()}, total_heads=total,
-        title=(f"Iterative head pruning, {shape[0]} layers × {shape[1]} heads, copy L={task.length} "
-               f"({cfg.eval_size} held-out sequences)"),
-    )
-    save_figure(fig, out / "pruning_curves.png")
-    fig = plotting.layer_head_heatmaps(
-        [(importance, "importance I(l,h) = mean$_n$ |∂L$_n$/∂ξ(l,h)|" + ("\n(ℓ2-normalised per layer)" if normalize else ""), "I(l,h)"),
-         (100 * oracle, "oracle: accuracy drop\nwhen removed alone", "accuracy points")],
+def survivors(m: common.StudyModel, model: Decoder, batches: dict, rec: analysis.PruningResult, cfg: PruningConfig):
+    """The heads left when the stop rule fires, with their dominant offsets, and the
+    attention maps of the example sequence under the pruned gates (upstream pruning
+    changes what later layers see): `(record, maps (n, T, T), titles)`."""
+    gates = rec.surviving_gates()
+    batch = batches["eval"]
+    w_all = np.asarray(analysis.attention_weights(m.params, model, batch["inputs"], jnp.asarray(gates)))
+    offset, weight = head_offsets(w_all, np.asarray(batch["scored"]))
+    heads = [(int(l), int(h)) for l, h in zip(*np.nonzero(gates))]
+    record = {
+        "gates": gates, "heads": heads,
+        "accuracy": next(s.accuracy for s in rec.steps if s.num_pruned == rec.heads_prunable),
+        "dominant_offset": {f"L{l}H{h}": int(offset[l, h]) for l, h in heads},
+        "weight_at_dominant_offset": {f"L{l}H{h}": float(weight[l, h]) for l, h in heads},
+    }
+    maps = np.stack([w_all[l, cfg.example_index, h] for l, h in heads]) if heads else None
+    titles = [f"layer {l} head {h}: offset {offset[l, h]} ({weight[l, h]:.2f})" for l, h in heads]
+    return record, maps, titles
+
+
+def draw(out: Path, m, model, batches, cfg, scores, records, kept: dict, normalize: bool) -> None:
+    """pruning_curves.png, importance_heatmap.png and surviving_heads_<order>.png."""
+    shape = analysis.gate_shape(model)
+    total = shape[0] * shape[1]
+    tokens = np.asarray(batches["eval"]["inputs"][cfg.example_index])
+    for order, (record, maps, titles) in kept.items():
+        if maps is None:
+            continue
+        save_figure(plotting.attention_grid(
+            maps, tokens, titles=titles, ncols=min(4, len(titles)), stripe_offset=m.task.length,
+            suptitle=(f"The {len(titles)} of {total} heads left after pruning by {order} (accuracy "
+                      f"{record['accuracy']:.4f}, unpruned {scores['base_accuracy']:.4f})\ntitle: dominant query−key "
+                      f"offset at scored queries (mean weight); dotted: key = query − L, L={m.task.length}")),
+            out / f"surviving_heads_{order}.png")
+    save_figure(plotting.pruning_curves(
+        {ORDER_LABELS[o]: (r.fractions, r.accuracies) for o, r in records.items()},
+        base_accuracy=scores["base_accuracy"], max_drop=cfg.max_drop, chance=scores["chance_accuracy"],
+        heads_prunable={ORDER_LABELS[o]: r.heads_prunable for o, r in records.items()}, total_heads=total,
+        title=f"Iterative head pruning, {shape[0]} layers × {shape[1]} heads, copy L={m.task.length} "
+              f"({cfg.eval_size} held-out sequences)"), out / "pruning_curves.png")
+    save_figure(plotting.layer_head_heatmaps(
+        [(scores["importance"], "importance I(l,h) = mean$_n$ |∂L$_n$/∂ξ(l,h)|"
+          + ("\n(ℓ2-normalised per layer)" if normalize else ""), "I(l,h)"),
+         (100 * scores["oracle_drop_score_batch"], "oracle: accuracy drop\nwhen removed alone", "accuracy points")],
         suptitle=(f"Head scores of the full model on {cfg.score_size} ranking sequences\n"
                   "cyan frame: heads left when importance pruning stops"),
-        marks=records["importance"].surviving_gates() > 0, fmt="{:.2f}",
-    )
-    save_figure(fig, out / "importance_heatmap.png")
+        marks=records["importance"].surviving_gates() > 0), out / "importance_heatmap.png")
 
-    results = {
-        "config": dataclasses.asdict(cfg) | {"task": dataclasses.asdict(task), "model": dataclasses.asdict(model_cfg),
-                                             "normalize": normalize},
-        "metadata": run_metadata(),
-        "source": source,
-        "total_heads": total,
-        "base_accuracy": base_acc,
-        "all_heads_off_accuracy": off_acc,
-        "all_heads_off": all_off,
-        "chance_accuracy": chance,
-        "importance": importance,
-        "importance_raw": importance_raw,
-        "oracle_drop_score_batch": oracle,
-        "oracle_drop_eval_batch": oracle_eval,
-        "spearman_importance_vs_oracle": spearman(importance, oracle),
-        "heads_prunable": {o: r.heads_prunable for o, r in records.items()},
-        "pruning": {o: r.to_dict() for o, r in records.items()},
-        "survivors": survivors,
-        "analysis_seconds": analysis_seconds,
-    }
-    write_json(out / "results.json", results)
 
-    print(f"\nmodel: {source['kind']} {source['path']}  ({shape[0]} layers x {shape[1]} heads, L={task.length})")
-    print(f"unpruned accuracy {base_acc:.4f}; all heads off {off_acc:.4f} (no-attention chance {chance:.4f}); "
-          f"all off: symbols {all_off['symbol_accuracy']:.4f} (chance {1 / task.num_symbols:.4f}), "
-          f"EOS {all_off['eos_accuracy']:.4f}")
+def print_summary(results: dict, m: common.StudyModel, records: dict, out: Path) -> None:
+    total, task = results["total_heads"], m.task
+    off = results["all_heads_off"]
+    print(f"\nmodel: {m.source['path']} ({describe(m)})")
+    print(f"unpruned accuracy {results['base_accuracy']:.4f}; all heads off {results['all_heads_off_accuracy']:.4f} "
+          f"(no-attention chance {results['chance_accuracy']:.4f}); all off: symbols {off['symbol_accuracy']:.4f} "
+          f"(chance {1 / task.num_symbols:.4f}), EOS {off['eos_accuracy']:.4f}")
     print(f"Spearman(importance, oracle drop) = {results['spearman_importance_vs_oracle']:.3f}")
-    print("\n| order | heads prunable (stop: > %g pt drop) | accuracy then | next step's accuracy |" % (100 * cfg.max_drop))
+    print("\n| order | heads prunable (stop: > %g pt drop) | accuracy then | next step's accuracy |"
+          % (100 * records["importance"].max_drop))
     print("|---|---:|---:|---:|")
     for o, r in records.items():
-        k = r.heads_prunable
-        after = next((s.accuracy for s in r.steps if s.num_pruned > k), float("nan"))
-        print(f"| {o} | {k}/{total} | {survivors[o]['accuracy']:.4f} | {after:.4f} |")
+        after = next((s.accuracy for s in r.steps if s.num_pruned > r.heads_prunable), float("nan"))
+        print(f"| {o} | {r.heads_prunable}/{total} | {results['survivors'][o]['accuracy']:.4f} | {after:.4f} |")
     for o in records:
-        print(f"survivors ({o}): {survivors[o]['dominant_offset']}")
-    print(f"\nwrote {out}/results.json and plots ({analysis_seconds:.0f} s of analysis)")
+        print(f"survivors ({o}): {results['survivors'][o]['dominant_offset']}")
+    print(f"\nwrote {out}/results.json and plots ({results['analysis_seconds']:.0f} s of analysis)")
+
+
+def describe(m: common.StudyModel) -> str:
+    return common.describe_model(m.config, m.task)
+
+
+def analyse(m: common.StudyModel, args, cfg: PruningConfig) -> dict:
+    """Scores, prunes, draws and writes; returns the results record."""
+    model, normalize, start = Decoder(m.config), not args.no_normalize, time.perf_counter()
+    batch_fn = jax.jit(lambda key, size: m.task.batch(key, size), static_argnums=1)  # eager compiles op by op
+    batches = {"eval": batch_fn(jax.random.key(cfg.eval_seed), cfg.eval_size),
+               "score": batch_fn(jax.random.key(cfg.score_seed), cfg.score_size)}
+    print(f"scoring every head (gradient importance, single-head ablation) on {cfg.score_size} + {cfg.eval_size} "
+          "held-out sequences", flush=True)
+    scores = score_heads(m, model, batches, cfg, normalize)
+    records = prune_both_orders(m, model, batches, cfg, normalize, not args.no_progress)
+    kept = {order: survivors(m, model, batches, rec, cfg) for order, rec in records.items()}
+    analysis_seconds = time.perf_counter() - start
+    draw(args.out, m, model, batches, cfg, scores, records, kept, normalize)
+    results = {
+        "config": dataclasses.asdict(cfg) | {"task": task_to_dict(m.task), "model": dataclasses.asdict(m.config),
+                                             "normalize": normalize, "preset": args.preset},
+        "metadata": common.run_metadata(), "source": m.source, "total_heads": int(np.prod(analysis.gate_shape(model))),
+        **scores,
+        "spearman_importance_vs_oracle": spearman(scores["importance"], scores["oracle_drop_score_batch"]),
+        "heads_prunable": {o: r.heads_prunable for o, r in records.items()},
+        "pruning": {o: r.to_dict() for o, r in records.items()},
+        "survivors": {order: record for order, (record, _, _) in kept.items()},
+        "analysis_seconds": analysis_seconds,
+    }
+    write_json(args.out / "results.json", results)
+    print_summary(results, m, records, args.out)
     return results
 
 
+def main(argv=None) -> dict:
+    args, spec, cfg = parse(argv)
+    common.use_agg_backend()
+    args.out.mkdir(parents=True, exist_ok=True)
+    m = common.find_model(spec, args.out, args.checkpoint, args.retrain) or common.train_model(
+        spec, args.out, not args.no_progress)
+    try:
+        return analyse(m, args, cfg)
+    except KeyboardInterrupt:
+        raise Interrupted(f"the model is saved in {m.source['path']}; the analysis (a few minutes) was not "
+                          "finished and starts again", resumes=False) from None
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    common.cli(main, MODULE)

@@ -23,18 +23,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
-import sys
-import time
 from pathlib import Path
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from experiments import plotting
-from experiments.common import run_metadata, save_figure, use_agg_backend, write_atomic, write_json
+from experiments import common, plotting
+from experiments.common import Interrupted, save_figure, use_agg_backend, write_atomic, write_json
 from jax_mha.modules import MultiHeadAttention
+
+MODULE = "experiments.head_timing"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +48,16 @@ class TimingConfig:
     warmup: int = 2  # the first call compiles, the second settles caches; later ones are steady
     impls: tuple[str, ...] = ("jax_mha", "flax")
 
+    def __post_init__(self):
+        sizes = {"batch": self.batch, "d_model": self.d_model, "repeats": self.repeats, "warmup": self.warmup}
+        if min(sizes.values()) < 1 or not self.heads or not self.seqs or min(self.heads + self.seqs) < 1:
+            raise ValueError(f"{sizes}, heads={self.heads} and seqs={self.seqs} must all be >= 1 (and not empty)")
+        bad = [h for h in self.heads if self.d_model % h]
+        if bad:
+            raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={bad[0]}")
+        if not set(self.impls) <= {"jax_mha", "flax"}:
+            raise ValueError(f"impls must be among jax_mha, flax, got {self.impls}")
+
 
 def quick() -> TimingConfig:
     return TimingConfig()
@@ -57,13 +66,6 @@ def quick() -> TimingConfig:
 def full() -> TimingConfig:
     """All three sequence lengths, more repeats (~5 min on 2 CPU cores)."""
     return TimingConfig(seqs=(128, 512, 1024), repeats=7, warmup=2)
-
-
-def flops(batch: int, seq: int, d_model: int) -> dict[str, float]:
-    """Forward FLOPs of self-attention (see the module docstring)."""
-    proj = 8.0 * batch * seq * d_model**2
-    attn = 4.0 * batch * seq**2 * d_model
-    return {"projections": proj, "attention": attn, "forward": proj + attn, "forward_backward": 3.0 * (proj + attn)}
 
 
 def make_module(impl: str, heads: int, d_model: int) -> nn.Module:
@@ -78,17 +80,8 @@ def make_module(impl: str, heads: int, d_model: int) -> nn.Module:
 
 def median_ms(fn, args, warmup: int, repeats: int) -> tuple[float, float]:
     """(median milliseconds over `repeats`, milliseconds of the first call = compile + run)."""
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - t0
-    for _ in range(warmup - 1):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times), 1e3 * first
+    median, first = common.median_seconds(lambda: jax.block_until_ready(fn(*args)), warmup, repeats)
+    return 1e3 * median, 1e3 * first
 
 
 def time_one(impl: str, heads: int, seq: int, cfg: TimingConfig) -> dict:
@@ -102,7 +95,7 @@ def time_one(impl: str, heads: int, seq: int, cfg: TimingConfig) -> dict:
     forward_backward = jax.jit(jax.grad(loss, argnums=(0, 1)))
     fwd_ms, fwd_first = median_ms(forward, (params, x), cfg.warmup, cfg.repeats)
     bwd_ms, bwd_first = median_ms(forward_backward, (params, x), cfg.warmup, cfg.repeats)
-    f = flops(cfg.batch, seq, cfg.d_model)
+    f = common.attention_flops(cfg.batch, seq, cfg.d_model)
     return {
         "impl": impl, "heads": heads, "head_dim": cfg.d_model // heads, "seq": seq, "batch": cfg.batch,
         "d_model": cfg.d_model, "fwd_ms": fwd_ms, "fwd_bwd_ms": bwd_ms,
@@ -129,56 +122,40 @@ def table(rows: list[dict], cfg: TimingConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m experiments.head_timing",
-        description="Time multi-head self-attention (forward, forward+backward) for several head counts at "
-                    "fixed d_model, jax_mha against flax.linen.MultiHeadDotProductAttention, with FLOPs and "
-                    "achieved GFLOP/s.",
-    )
+def parse(argv) -> tuple[argparse.Namespace, TimingConfig]:
+    """`(args, config)`; every bad value ends in `error:` and exit 2."""
+    p = common.parser(MODULE, "Time multi-head self-attention (forward, forward+backward) for several head counts at "
+                              "fixed d_model, jax_mha against flax.linen.MultiHeadDotProductAttention, with FLOPs and "
+                              "achieved GFLOP/s.")
     p.add_argument("--full", action="store_true",
                    help="the full preset: sequence lengths 128, 512, 1024 and 7 repeats (default: quick, 128 and 512, 5 repeats)")
-    p.add_argument("--heads", type=int, nargs="+", help="head counts (each must divide --d-model; default 1 8 16)")
-    p.add_argument("--seq", type=int, nargs="+", help="sequence lengths N (overrides the preset)")
-    p.add_argument("--batch", type=int, help="batch size B (default 8)")
-    p.add_argument("--d-model", type=int, help="model width d (default 512)")
-    p.add_argument("--repeats", type=int, help="timed calls per measurement; the median is reported")
-    p.add_argument("--warmup", type=int, help="untimed calls first (>= 1; the first one compiles)")
+    p.add_argument("--heads", type=common.positive_int, nargs="+", help="head counts (each must divide --d-model; default 1 8 16)")
+    p.add_argument("--seq", type=common.positive_int, nargs="+", help="sequence lengths N (overrides the preset)")
+    p.add_argument("--batch", type=common.positive_int, help="batch size B (default 8)")
+    p.add_argument("--d-model", type=common.positive_int, help="model width d (default 512)")
+    p.add_argument("--repeats", type=common.positive_int, help="timed calls per measurement; the median is reported")
+    p.add_argument("--warmup", type=common.positive_int, help="untimed calls first (the first one compiles)")
     p.add_argument("--impls", nargs="+", choices=("jax_mha", "flax"), help="implementations to time (default both)")
     p.add_argument("--out", type=Path, default=Path("results/head_timing"), help="output folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+    args = p.parse_args(argv)
     cfg = full() if args.full else quick()
     overrides = {"heads": args.heads and tuple(args.heads), "seqs": args.seq and tuple(args.seq), "batch": args.batch,
                  "d_model": args.d_model, "repeats": args.repeats, "warmup": args.warmup,
                  "impls": args.impls and tuple(args.impls)}
-    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
-    bad = [h for h in cfg.heads if h < 1 or cfg.d_model % h]
-    if bad:
-        raise SystemExit(f"error: d_model={cfg.d_model} is not divisible by num_heads={bad[0]}")
-    if cfg.warmup < 1 or cfg.repeats < 1:
-        raise SystemExit(f"error: --warmup ({cfg.warmup}) and --repeats ({cfg.repeats}) must be >= 1")
-    use_agg_backend()
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    from tqdm.auto import tqdm
+    cfg = common.build_or_exit(p, lambda: dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None}))
+    return args, cfg
 
-    jobs = [(impl, h, n) for n in cfg.seqs for h in cfg.heads for impl in cfg.impls]
-    # Other processes on the machine slow every row alike; the load says how much.
-    load_before = os.getloadavg()
-    rows = []
-    for impl, h, n in tqdm(jobs, desc="timing", unit="config", disable=args.no_progress):
-        rows.append(time_one(impl, h, n, cfg))
-    rows.sort(key=lambda r: (r["seq"], r["impl"], r["heads"]))
+
+def write(rows: list[dict], cfg: TimingConfig, load_before, out: Path) -> dict:
+    """results.json, table.md and timing.png; returns the results."""
+    rows = sorted(rows, key=lambda r: (r["seq"], r["impl"], r["heads"]))
     text = table(rows, cfg)
     load = {"before": load_before, "after": os.getloadavg(), "cpu_count": os.cpu_count()}
     text += (f"\nLoad average (1/5/15 min) before {load['before'][0]:.1f}/{load['before'][1]:.1f}/{load['before'][2]:.1f}, "
-             f"after {load['after'][0]:.1f}/{load['after'][1]:.1f}/{load['after'][2]:.1f} on {load['cpu_count']} CPUs.\n")
-    results = {"config": dataclasses.asdict(cfg), "metadata": run_metadata(), "load_average": load, "rows": rows}
+             f"after {load['after'][0]:.1f}/{load['after'][1]:.1f}/{load['after'][2]:.1f} on {load['cpu_count']} CPUs "
+             f"({common.cpu_model()}).\n")
+    results = {"config": dataclasses.asdict(cfg), "metadata": common.run_metadata(), "load_average": load, "rows": rows}
     write_json(out / "results.json", results)
     write_atomic(out / "table.md", text)
     fig = plotting.timing_plot(rows, title=(f"Multi-head self-attention on {jax.default_backend().upper()}: batch {cfg.batch}, "
@@ -189,5 +166,24 @@ def main(argv=None) -> dict:
     return results
 
 
+def main(argv=None) -> dict:
+    args, cfg = parse(argv)
+    use_agg_backend()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    from tqdm.auto import tqdm
+
+    jobs = [(impl, h, n) for n in cfg.seqs for h in cfg.heads for impl in cfg.impls]
+    load_before = os.getloadavg()  # other processes slow every row alike; the load says how much
+    rows = []
+    try:
+        for impl, h, n in tqdm(jobs, desc="timing", unit="config", disable=args.no_progress):
+            rows.append(time_one(impl, h, n, cfg))
+    except KeyboardInterrupt:
+        raise Interrupted(f"{len(rows)} of {len(jobs)} timings were done and are not kept (timings are compared "
+                          "within one run)", resumes=False) from None
+    return write(rows, cfg, load_before, out)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    common.cli(main, MODULE)

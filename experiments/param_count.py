@@ -14,14 +14,13 @@ Writes to --out (default results/param_count/): results.json, table.md, params.p
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import plotting
+from experiments import common, plotting
 from experiments.common import run_metadata, save_figure, use_agg_backend, write_atomic, write_json
 from jax_mha.modules import FeedForward, MultiHeadAttention, TransformerBlock
 
@@ -77,18 +76,21 @@ def decoder_layer_counts(d_model: int, heads: int, d_ff: int) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m experiments.param_count",
-        description="Count the parameters of W_Q, W_K, W_V, W_O for several head counts (with and without "
-                    "biases) and the attention / feed-forward split of one Transformer block.",
-    )
-    p.add_argument("--d-model", type=int, default=512, help="model width (default 512, the base Transformer)")
-    p.add_argument("--heads", type=int, nargs="+", default=[1, 2, 4, 8, 16],
+    """Every bad value ends in `error:` and exit 2."""
+    p = common.parser("experiments.param_count",
+                      "Count the parameters of W_Q, W_K, W_V, W_O for several head counts (with and without "
+                      "biases) and the attention / feed-forward split of one Transformer block.")
+    p.add_argument("--d-model", type=common.positive_int, default=512, help="model width (default 512, the base Transformer)")
+    p.add_argument("--heads", type=common.positive_int, nargs="+", default=[1, 2, 4, 8, 16],
                    help="head counts to count (each must divide --d-model; default 1 2 4 8 16)")
-    p.add_argument("--block-heads", type=int, default=8, help="head count of the Transformer block (default 8)")
-    p.add_argument("--d-ff", type=int, default=2048, help="feed-forward hidden width (default 2048)")
+    p.add_argument("--block-heads", type=common.positive_int, default=8, help="head count of the Transformer block (default 8)")
+    p.add_argument("--d-ff", type=common.positive_int, default=2048, help="feed-forward hidden width (default 2048)")
     p.add_argument("--out", type=Path, default=Path("results/param_count"), help="output folder")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    bad = [h for h in [*args.heads, args.block_heads] if args.d_model % h]
+    if bad:
+        p.error(f"d_model={args.d_model} is not divisible by num_heads={bad[0]}")
+    return args
 
 
 def table(rows: list[dict], block: dict, decoder: dict, d_model: int, d_ff: int, block_heads: int) -> str:
@@ -112,9 +114,6 @@ def table(rows: list[dict], block: dict, decoder: dict, d_model: int, d_ff: int,
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    bad = [h for h in [*args.heads, args.block_heads] if h < 1 or args.d_model % h]
-    if bad:
-        raise SystemExit(f"error: d_model={args.d_model} is not divisible by num_heads={bad[0]}")
     use_agg_backend()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -149,4 +148,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    common.cli(main, "experiments.param_count")

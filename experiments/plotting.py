@@ -267,3 +267,100 @@ def param_count_plot(heads: Sequence[int], projections: Mapping[str, Sequence[in
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     return fig
+
+
+def learning_curves(curves: Mapping[int, Mapping[str, np.ndarray]]):
+    """Training loss and held-out exact-sequence accuracy against step, one colour
+    per head count (line: mean over seeds, band: min–max).
+
+    Args:
+      curves: `heads -> {"step" (C,), "loss" (seeds, C), "eval_step" (E,),
+        "exact_accuracy" (seeds, E)}`.
+
+    Returns:
+      the figure.
+    """
+    import matplotlib.pyplot as plt
+
+    keys = sorted(curves)
+    colors = plt.cm.viridis(np.linspace(0, 0.9, max(len(keys), 1)))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for color, h in zip(colors, keys):
+        for ax, steps, field in ((axes[0], "step", "loss"), (axes[1], "eval_step", "exact_accuracy")):
+            values = np.asarray(curves[h][field], dtype=float)
+            ax.plot(curves[h][steps], values.mean(0), color=color, label=f"h={h}")
+            ax.fill_between(curves[h][steps], values.min(0), values.max(0), color=color, alpha=0.2)
+    axes[0].set(yscale="log", xlabel="optimizer step", ylabel="training loss (scored positions)",
+                title="Training loss (mean, band = min–max over seeds)")
+    axes[1].set(xlabel="optimizer step", ylabel="held-out exact-sequence accuracy", ylim=(-0.02, 1.02),
+                title="Greedy-decoded copy accuracy (held out)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(title="heads")
+    return fig
+
+
+def accuracy_vs_heads(stats: Mapping[int, Mapping[str, tuple[float, float]]], chance: float):
+    """Final accuracy and steps to target against the head count (mean ± std).
+
+    Args:
+      stats: `heads -> {"final_token_accuracy", "final_exact_accuracy",
+        "steps_to_target"} -> (mean, std)` over seeds.
+      chance: the no-attention accuracy, drawn dotted.
+
+    Returns:
+      the figure.
+    """
+    import matplotlib.pyplot as plt
+
+    heads = np.asarray(sorted(stats))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for field, label, marker in (("final_token_accuracy", "token accuracy (teacher forced)", "o"),
+                                 ("final_exact_accuracy", "exact-sequence accuracy (greedy)", "s")):
+        values = np.asarray([stats[h][field] for h in heads])
+        axes[0].errorbar(heads, values[:, 0], yerr=values[:, 1], marker=marker, capsize=4, label=label)
+    axes[0].axhline(chance, color="grey", ls=":", label=f"no-attention chance ({chance:.2f})")
+    axes[0].set(xscale="log", xlabel="number of heads h (d_model fixed)", ylabel="final held-out accuracy",
+                title="Final accuracy vs head count", ylim=(0, 1.05))
+    axes[0].legend(loc="lower right")
+    steps = np.asarray([stats[h]["steps_to_target"] for h in heads])
+    axes[1].errorbar(heads, steps[:, 0], yerr=steps[:, 1], marker="o", capsize=4)
+    axes[1].set(xscale="log", xlabel="number of heads h (d_model fixed)", ylabel="steps to 99% held-out token accuracy",
+                title="Convergence speed (missing point = never reached)")
+    for ax in axes:
+        ax.set_xticks(heads, [str(h) for h in heads])
+        ax.grid(alpha=0.3)
+    return fig
+
+
+def entropy_per_head(entropy: Mapping[int, np.ndarray]):
+    """Normalised attention entropy of every head, ranked within its layer.
+
+    Head indices are arbitrary (any permutation is the same model), so heads are
+    ranked by entropy within each seed and layer before averaging over seeds.
+
+    Args:
+      entropy: `heads -> (seeds, layers, heads)` normalised entropies.
+
+    Returns:
+      the figure: one row per head count, bars mean ± std over seeds.
+    """
+    import matplotlib.pyplot as plt
+
+    keys = sorted(entropy)
+    layers = entropy[keys[0]].shape[1]
+    fig, axes = plt.subplots(len(keys), 1, figsize=(10, 1.9 * len(keys) + 0.9), squeeze=False)
+    for ax, h in zip(axes[:, 0], keys):
+        ranked = np.sort(entropy[h], axis=-1)
+        width = 0.8 / layers
+        for layer in range(layers):
+            x = np.arange(h) + (layer - (layers - 1) / 2) * width
+            ax.bar(x, ranked[:, layer].mean(0), width, yerr=ranked[:, layer].std(0), capsize=2,
+                   label=f"layer {layer}", color=plt.cm.tab10(layer))
+        ax.set(ylim=(0, 1), ylabel=f"h={h}", xticks=np.arange(h))
+        ax.grid(alpha=0.3, axis="y")
+    axes[0, 0].legend(ncol=layers, loc="upper left", fontsize=8)
+    axes[-1, 0].set_xlabel("head rank within its layer (0 = most focused)")
+    fig.suptitle("Attention entropy per head at scored queries, normalised by ln(#visible keys)\n"
+                 "(0 = attends to one key, 1 = uniform; mean ± std over seeds)")
+    return fig

@@ -1,5 +1,5 @@
 """Which heads matter: importance, single-head ablation, iterative pruning, attention
-statistics — for the copy-task model (`jax_mha.models.CopyTransformer`).
+statistics — for the decoder of any task (`jax_mha.models.Decoder`).
 
 Every head of every layer has a gate ξ(l, h) (`head_mask`, shape `(num_layers, H)`,
 all ones by default) multiplying its output before the heads are combined. Setting a
@@ -14,8 +14,10 @@ Compiled functions here take the model as a static argument and params, batch an
 gates as traced ones, so repeated calls with the same shapes (every step of
 `prune_heads_iteratively`) reuse one compilation.
 
-Batches are the dicts of `jax_mha.data.make_batch`: int `inputs (B, T)`, int
-`targets (B, T)`, bool `scored (B, T)`.
+Batches are the dicts every task's `batch` returns (`jax_mha.data.Task`): int
+`inputs (B, T)`, int `targets (B, T)`, bool `scored (B, T)`; losses and accuracies are
+taken over the scored positions (`train.scored_loss`), so the same functions serve the
+copy task and a language model.
 """
 
 from __future__ import annotations
@@ -28,18 +30,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mha.models import CopyTransformer
+from jax_mha.models import Decoder
 from jax_mha.train import scored_loss
 
 ORDERS = ("importance", "oracle")
 
 
-def gate_shape(model: CopyTransformer) -> tuple[int, int]:
+def gate_shape(model: Decoder) -> tuple[int, int]:
     """`(num_layers, num_heads)`, the shape of the model's head gates."""
     return (model.config.num_layers, model.config.num_heads)
 
 
-def _gates_or_ones(model: CopyTransformer, gates) -> jax.Array:
+def _gates_or_ones(model: Decoder, gates) -> jax.Array:
     shape = gate_shape(model)
     if gates is None:
         return jnp.ones(shape, jnp.float32)
@@ -49,7 +51,7 @@ def _gates_or_ones(model: CopyTransformer, gates) -> jax.Array:
     return gates
 
 
-def _loss_and_accuracy(params, model: CopyTransformer, batch: dict, gates: jax.Array):
+def _loss_and_accuracy(params, model: Decoder, batch: dict, gates: jax.Array):
     """Teacher-forced scored loss and token accuracy of the gated model on `batch`."""
     logits = model.apply({"params": params}, batch["inputs"], head_mask=gates)  # (B, T, V)
     return scored_loss(logits, batch)
@@ -69,7 +71,7 @@ def _gate_metrics(params, model, batch, gate_stack, chunk_size):
 
 
 def gate_metrics(
-    params, model: CopyTransformer, batch: dict, gate_stack: jax.Array, *, chunk_size: int | None = None
+    params, model: Decoder, batch: dict, gate_stack: jax.Array, *, chunk_size: int | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Accuracy and loss of the model under each gate configuration of a stack.
 
@@ -78,7 +80,7 @@ def gate_metrics(
 
     Args:
       params: the model's parameters.
-      model: the copy-task model.
+      model: the decoder (`jax_mha.models.Decoder`).
       batch: `inputs`, `targets`, `scored`, each `(B, T)`.
       gate_stack: float `(G, num_layers, H)`.
       chunk_size: if set, vmap over chunks of this many configurations (a
@@ -100,7 +102,7 @@ def gate_metrics(
     return _gate_metrics(params, model, batch, gate_stack, chunk_size)
 
 
-def make_accuracy_fn(params, model: CopyTransformer, batch: dict) -> Callable[[Any], float]:
+def make_accuracy_fn(params, model: Decoder, batch: dict) -> Callable[[Any], float]:
     """`accuracy(gates) -> float`: scored-token accuracy under `(num_layers, H)` gates.
 
     Compiled once (on the first call); later calls with any gate values reuse it.
@@ -129,7 +131,7 @@ def single_head_off_gates(gates: jax.Array) -> jax.Array:
 
 
 def ablate_each_head(
-    params, model: CopyTransformer, batch: dict, *, gates: jax.Array | None = None,
+    params, model: Decoder, batch: dict, *, gates: jax.Array | None = None,
     chunk_size: int | None = None,
 ) -> jax.Array:
     """Michel et al.'s "oracle": the accuracy lost when each single head is removed.
@@ -138,7 +140,7 @@ def ablate_each_head(
 
     Args:
       params: the model's parameters.
-      model: the copy-task model.
+      model: the decoder (`jax_mha.models.Decoder`).
       batch: `inputs`, `targets`, `scored`, each `(B, T)`.
       gates: `(num_layers, H)`, the model to start from (default: all heads on).
       chunk_size: see `gate_metrics`.
@@ -167,7 +169,7 @@ def _ablation(params, model, batch, gates, chunk_size):
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
-def per_example_gate_gradients(params, model: CopyTransformer, batch: dict, gates: jax.Array) -> jax.Array:
+def per_example_gate_gradients(params, model: Decoder, batch: dict, gates: jax.Array) -> jax.Array:
     """∂L_n/∂ξ for every example n: `(B, num_layers, H)`.
 
     `L_n` is the mean cross-entropy over example n's scored positions
@@ -192,13 +194,13 @@ def normalize_per_layer(scores: jax.Array, eps: float = 1e-20) -> jax.Array:
 
 
 def head_importance(
-    params, model: CopyTransformer, batch: dict, *, gates: jax.Array | None = None, normalize: bool = True
+    params, model: Decoder, batch: dict, *, gates: jax.Array | None = None, normalize: bool = True
 ) -> jax.Array:
     """Michel et al. 2019's importance proxy `I(l, h) = mean_n |∂L_n/∂ξ(l, h)|`.
 
     Args:
       params: the model's parameters.
-      model: the copy-task model.
+      model: the decoder (`jax_mha.models.Decoder`).
       batch: `inputs`, `targets`, `scored`, each `(B, T)`; every example counts
         equally.
       gates: `(num_layers, H)` gates the gradient is taken at (default all ones: the
@@ -226,6 +228,9 @@ def _importance(params, model, batch, gates, normalize):
 # ----------------------------------------------------------------- iterative pruning
 
 
+CRITERIA = ("accuracy", "loss")
+
+
 @dataclasses.dataclass
 class PruningStep:
     """The model after one pruning step."""
@@ -236,7 +241,7 @@ class PruningStep:
     accuracy: float  # scored-token accuracy (teacher forced) on the evaluation batch
     loss: float  # scored cross-entropy on the evaluation batch
     scores: np.ndarray | None  # (num_layers, H) the ranking this step's choice came from (None at step 0)
-    within_rule: bool  # accuracy >= unpruned accuracy - max_drop
+    within_rule: bool  # inside the stop rule (see prune_heads_iteratively's criterion)
 
 
 @dataclasses.dataclass
@@ -250,6 +255,7 @@ class PruningResult:
     steps: list[PruningStep]
     heads_prunable: int  # heads off at the last step before the stop rule first fired
     stop_rule_fired: bool  # False: every recorded step stayed within max_drop
+    criterion: str = "accuracy"  # what max_drop bounds, see prune_heads_iteratively
 
     @property
     def fractions(self) -> np.ndarray:
@@ -277,21 +283,63 @@ class PruningResult:
 
 def _lowest(scores: np.ndarray, alive: np.ndarray, k: int, tiebreak: np.ndarray | None = None) -> list[tuple[int, int]]:
     """The `k` alive heads with the smallest scores (ties: smaller `tiebreak`, then
-    lower layer and head index)."""
+    lower layer and head index).
+
+    Raises:
+      FloatingPointError: if an alive head's score (or tiebreak) is not finite: a
+        ranking of NaNs would pick no head and the pruning would never end.
+    """
+    for name, values in (("score", scores), ("tiebreak", tiebreak)):
+        if values is not None and not np.all(np.isfinite(values[alive])):
+            bad = [divmod(int(i), scores.shape[1]) for i in np.flatnonzero(alive & ~np.isfinite(values))]
+            raise FloatingPointError(
+                f"head {name}s are not finite for (layer, head) {bad[:4]}: the model or the batch gives "
+                "NaN/inf losses; pruning cannot rank the heads")
     flat_scores = np.where(alive, scores, np.inf).ravel()
-    keys = (np.zeros_like(flat_scores) if tiebreak is None else tiebreak.ravel(), flat_scores)
+    keys = (np.zeros_like(flat_scores) if tiebreak is None else np.where(alive, tiebreak, 0).ravel(), flat_scores)
     order = np.lexsort(keys)  # last key is primary
     n_heads = scores.shape[1]
     return [divmod(int(i), n_heads) for i in order[: min(k, int(alive.sum()))]]
 
 
+def _rank(params, model, score_batch, gates: np.ndarray, order: str, k: int, normalize: bool, chunk_size):
+    """`(heads to remove, the scores they were chosen by)` for one pruning step."""
+    alive = gates > 0
+    if order == "importance":
+        scores = np.asarray(head_importance(params, model, score_batch, gates=jnp.asarray(gates), normalize=normalize))
+        return _lowest(scores, alive, k), scores
+    drops, loss_up = _ablation(params, model, score_batch, jnp.asarray(gates), chunk_size)
+    scores = np.asarray(drops)
+    return _lowest(scores, alive, k, tiebreak=np.asarray(loss_up)), scores
+
+
+def _within_rule(criterion: str, max_drop: float, base: tuple[float, float], now: tuple[float, float]) -> bool:
+    """`base`, `now`: (accuracy, loss). Accuracy: at most `max_drop` below the
+    unpruned model (absolute); loss: at most a fraction `max_drop` above it."""
+    if criterion == "accuracy":
+        return now[0] >= base[0] - max_drop
+    return now[1] <= base[1] * (1.0 + max_drop)
+
+
+def _check_pruning_args(order: str, criterion: str, max_drop: float, heads_per_step: int) -> None:
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    if criterion not in CRITERIA:
+        raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion!r}")
+    if heads_per_step < 1:
+        raise ValueError(f"heads_per_step must be >= 1, got {heads_per_step}")
+    if not 0 <= max_drop <= (1 if criterion == "accuracy" else np.inf):  # NaN fails too
+        raise ValueError(f"max_drop must be in [0, 1] for the accuracy criterion and >= 0 for the loss, got {max_drop}")
+
+
 def prune_heads_iteratively(
     params,
-    model: CopyTransformer,
+    model: Decoder,
     batch: dict,
     *,
     order: str = "importance",
     max_drop: float = 0.01,
+    criterion: str = "accuracy",
     heads_per_step: int = 1,
     score_batch: dict | None = None,
     normalize: bool = True,
@@ -309,15 +357,18 @@ def prune_heads_iteratively(
       head is removed (ties, common once a model is perfect, broken by the loss
       increase).
 
-    The stop rule fires at the first step whose accuracy is more than `max_drop`
-    (absolute, accuracy in [0, 1]) below the unpruned model's.
+    The stop rule fires at the first step outside `max_drop`: with
+    `criterion="accuracy"`, accuracy more than `max_drop` (absolute, accuracy in
+    [0, 1]) below the unpruned model's; with `criterion="loss"`, a loss more than the
+    fraction `max_drop` above it (0.01 = 1 %, e.g. bits per character).
 
     Args:
       params: the model's parameters.
-      model: the copy-task model.
+      model: the decoder (`jax_mha.models.Decoder`).
       batch: the evaluation batch: every recorded accuracy is measured on it.
       order: "importance" or "oracle".
-      max_drop: the stop rule's tolerance (0.01 = 1 accuracy point).
+      max_drop: the stop rule's tolerance.
+      criterion: "accuracy" or "loss".
       heads_per_step: heads switched off per step.
       score_batch: the batch the rankings are computed on (default `batch`); keep it
         apart from `batch` so the heads are not chosen on the examples that score them.
@@ -331,62 +382,48 @@ def prune_heads_iteratively(
       A `PruningResult`; `steps[0]` is the unpruned model.
 
     Raises:
-      ValueError: for an unknown order, `heads_per_step < 1` or `max_drop < 0`.
+      ValueError: for an unknown order or criterion, `heads_per_step < 1` or a
+        `max_drop` out of range.
+      FloatingPointError: as soon as a ranking contains NaN or inf.
     """
-    if order not in ORDERS:
-        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-    if heads_per_step < 1:
-        raise ValueError(f"heads_per_step must be >= 1, got {heads_per_step}")
-    if max_drop < 0:
-        raise ValueError(f"max_drop must be >= 0, got {max_drop}")
+    _check_pruning_args(order, criterion, max_drop, heads_per_step)
     score_batch = batch if score_batch is None else score_batch
     shape = gate_shape(model)
-    total = shape[0] * shape[1]
 
-    def record(gates):
+    def record(gates, removed, scores, base):
         acc, loss = gate_metrics(params, model, batch, jnp.asarray(gates)[None], chunk_size=chunk_size)
-        return float(acc[0]), float(loss[0])
+        now = (float(acc[0]), float(loss[0]))
+        ok = base is None or _within_rule(criterion, max_drop, base, now)
+        step = PruningStep(int(gates.size - gates.sum()), removed, gates.copy(), *now, scores, ok)
+        if callback is not None:
+            callback(step)
+        return step
 
     gates = np.ones(shape, np.float32)
-    base_acc, base_loss = record(gates)
-    threshold = base_acc - max_drop
-    steps = [PruningStep(0, [], gates.copy(), base_acc, base_loss, None, True)]
-    if callback is not None:
-        callback(steps[0])
+    steps = [record(gates, [], None, None)]
+    base = (steps[0].accuracy, steps[0].loss)
     heads_prunable, fired = 0, False
     while gates.sum() > 0 and (run_to_end or not fired):
-        alive = gates > 0
-        if order == "importance":
-            scores = np.asarray(head_importance(params, model, score_batch, gates=jnp.asarray(gates), normalize=normalize))
-            removed = _lowest(scores, alive, heads_per_step)
-        else:
-            drops, loss_up = _ablation(params, model, score_batch, jnp.asarray(gates), chunk_size)
-            scores = np.asarray(drops)
-            removed = _lowest(scores, alive, heads_per_step, tiebreak=np.asarray(loss_up))
+        removed, scores = _rank(params, model, score_batch, gates, order, heads_per_step, normalize, chunk_size)
         for layer, head in removed:
             gates[layer, head] = 0.0
-        acc, loss = record(gates)
-        ok = acc >= threshold
-        num_pruned = total - int(gates.sum())
-        if ok and not fired:
-            heads_prunable = num_pruned
-        fired = fired or not ok
-        steps.append(PruningStep(num_pruned, removed, gates.copy(), acc, loss, scores, ok))
-        if callback is not None:
-            callback(steps[-1])
-    return PruningResult(order, total, base_acc, max_drop, steps, heads_prunable, fired)
+        steps.append(record(gates, removed, scores, base))
+        if steps[-1].within_rule and not fired:
+            heads_prunable = steps[-1].num_pruned
+        fired = fired or not steps[-1].within_rule
+    return PruningResult(order, gates.size, base[0], max_drop, steps, heads_prunable, fired, criterion)
 
 
 # ----------------------------------------------------------------- attention statistics
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
-def attention_weights(params, model: CopyTransformer, inputs: jax.Array, gates: jax.Array | None = None) -> jax.Array:
+def attention_weights(params, model: Decoder, inputs: jax.Array, gates: jax.Array | None = None) -> jax.Array:
     """Attention weights of every layer under `gates` (default all on), jitted.
 
     Args:
       params: the model's parameters.
-      model: the copy-task model.
+      model: the decoder (`jax_mha.models.Decoder`).
       inputs: int `(B, T)`.
       gates: `(num_layers, H)` or None.
 

@@ -1,15 +1,29 @@
-"""The delayed copy task (Katharopoulos et al. 2020; Jelassi et al. 2024).
+"""Tasks: what a decoder is trained on, as the trainer and the analysis see it.
 
-A sequence is `BOS x1 … xL SEP x1 … xL EOS` (then PAD up to the longest L). A
-decoder reads it left to right; the loss is scored only on the second copy and EOS,
-whose tokens can only be known by looking back L+1 positions: no attention, no copy.
-A position-aligned copy (output_i = input_i) would be solved by the residual stream
+A task is a small frozen config with three duties (the `Task` protocol):
+
+* `batch(key, batch_size)` samples a batch, jittable: int `inputs (B, T)`, int
+  `targets (B, T)` (the next tokens) and bool `scored (B, T)` (where the loss counts);
+* `eval_metrics(logits_fn, logits, batch)` adds the task's own held-out metrics to
+  the generic ones (loss, token accuracy, attention statistics);
+* `stop_metric` names the metric early stopping watches (None: never stop early).
+
+Every task shares that batch layout, so one trainer, one loss (`train.scored_loss`)
+and one analysis serve them all; a new task (e.g. a character language model) is a
+new config class registered in `TASKS`.
+
+The delayed copy task (Katharopoulos et al. 2020; Jelassi et al. 2024): a sequence
+is `BOS x1 … xL SEP x1 … xL EOS` (then PAD up to the longest L). A decoder reads it
+left to right; the loss is scored only on the second copy and EOS, whose tokens can
+only be known by looking back L+1 positions: no attention, no copy. A
+position-aligned copy (output_i = input_i) would be solved by the residual stream
 alone and measure nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +31,34 @@ import jax.numpy as jnp
 PAD, BOS, SEP, EOS = 0, 1, 2, 3
 FIRST_SYMBOL = 4  # content symbols are FIRST_SYMBOL … FIRST_SYMBOL + num_symbols - 1
 
+Batch = dict[str, jax.Array]
+LogitsFn = Callable[[jax.Array], jax.Array]  # int (B, T) -> float (B, T, V)
+
+
+class Task(Protocol):
+    """What the trainer, the evaluation and the analysis need from a task."""
+
+    name: ClassVar[str]  # the key in TASKS, and --task on the command line
+    stop_metric: ClassVar[str | None]  # eval metric early stopping compares with target_accuracy
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def seq_len(self) -> int:
+        """T, the length of `inputs` (what the model reads)."""
+
+    def batch(self, key: jax.Array, batch_size: int) -> Batch: ...
+
+    def eval_metrics(self, logits_fn: LogitsFn, logits: jax.Array, batch: Batch) -> dict[str, jax.Array]: ...
+
 
 @dataclasses.dataclass(frozen=True)
 class CopyTaskConfig:
-    """What sequences look like."""
+    """What copy-task sequences look like."""
+
+    name: ClassVar[str] = "copy"
+    stop_metric: ClassVar[str | None] = "exact_accuracy"  # solved = the whole second copy decoded right
 
     length: int = 16  # L, symbols per copy (the longest, when min_length is set)
     min_length: int | None = None  # None: every example has L symbols; else L ~ U{min_length … length}, padded
@@ -28,6 +66,10 @@ class CopyTaskConfig:
     reverse: bool = False  # the second half is x_L … x_1: the offset now varies per position
 
     def __post_init__(self):
+        for field in ("length", "num_symbols"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{field} must be an int, got {value!r}")
         if self.length < 1 or self.num_symbols < 2:
             raise ValueError(f"need length >= 1 and num_symbols >= 2, got length={self.length}, num_symbols={self.num_symbols}")
         if self.min_length is not None and not 1 <= self.min_length <= self.length:
@@ -39,23 +81,64 @@ class CopyTaskConfig:
 
     @property
     def seq_len(self) -> int:
-        """T, the model's input length: `2L + 2` (tokens minus the last)."""
+        """T, the model's input length: `2L + 2` (the `2L + 3` tokens minus the last)."""
         return 2 * self.length + 2
 
+    def batch(self, key: jax.Array, batch_size: int) -> Batch:
+        """`make_batch(key, self, batch_size)`."""
+        return make_batch(key, self, batch_size)
 
-def make_batch(key: jax.Array, config: CopyTaskConfig, batch_size: int) -> dict[str, jax.Array]:
+    def eval_metrics(self, logits_fn: LogitsFn, logits: jax.Array, batch: Batch) -> dict[str, jax.Array]:
+        """`exact_accuracy`: the fraction of sequences whose greedy, autoregressive
+        decoding of the second copy and EOS is right at every scored position."""
+        del logits  # teacher-forced logits say nothing about free-running decoding
+        decoded = greedy_decode(logits_fn, batch)
+        exact = jnp.all(jnp.where(batch["scored"], decoded == batch["targets"], True), axis=-1)
+        return {"exact_accuracy": exact.mean()}
+
+
+TASKS: dict[str, type] = {CopyTaskConfig.name: CopyTaskConfig}
+
+
+def task_to_dict(task: Task) -> dict[str, Any]:
+    """The task as plain data (for checkpoints and results.json): its fields plus `name`."""
+    return {"name": task.name, **dataclasses.asdict(task)}
+
+
+def task_from_dict(data: dict[str, Any]) -> Task:
+    """Inverse of `task_to_dict`; a dict without `name` is a copy task (older files).
+
+    Raises:
+      ValueError: for an unknown task name or fields the task does not have.
+    """
+    data = dict(data)
+    name = data.pop("name", CopyTaskConfig.name)
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known: {sorted(TASKS)}")
+    try:
+        return TASKS[name](**data)
+    except TypeError as e:
+        raise ValueError(f"task {name!r} cannot be built from {data}: {e}") from None
+
+
+def make_batch(key: jax.Array, config: CopyTaskConfig, batch_size: int) -> Batch:
     """Samples a batch of the copy task; jittable (config and batch_size static).
 
     Args:
       key: PRNG key; the same key gives the same batch.
       config: the task.
-      batch_size: B.
+      batch_size: B >= 1.
 
     Returns:
       dict with int32 `inputs (B, T)` = tokens[:-1], int32 `targets (B, T)` =
       tokens[1:], bool `scored (B, T)`: True where the target is a second-copy symbol
       or EOS. `T = 2L + 2`.
+
+    Raises:
+      ValueError: if batch_size < 1.
     """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     max_len = config.length
     symbols_key, length_key = jax.random.split(key)
     symbols = jax.random.randint(
@@ -79,6 +162,39 @@ def make_batch(key: jax.Array, config: CopyTaskConfig, batch_size: int) -> dict[
     ).astype(jnp.int32)  # (B, 2L+3)
     scored = (pos >= lengths + 2) & (pos <= 2 * lengths + 2)  # targets x1…xL and EOS
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "scored": scored[:, 1:]}
+
+
+def greedy_decode(logits_fn: LogitsFn, batch: Batch) -> jax.Array:
+    """Greedy autoregressive decoding of every scored position (no teacher forcing).
+
+    Starting from the inputs, position `t` of the scored region is filled with the
+    argmax of `logits_fn` run on what has been decoded so far, and fed back as the
+    input at `t + 1`. Tokens after a sequence's EOS are never read by the scored
+    positions, as attention is causal. Jittable.
+
+    Args:
+      logits_fn: int `(B, T)` -> float `(B, T, V)`, a causal model.
+      batch: `inputs (B, T)` and `scored (B, T)`.
+
+    Returns:
+      int `(B, T)`: the decoded next token at every position from the first scored
+      one on (zeros before it); compare with `targets` where `scored`.
+    """
+    inputs, scored = batch["inputs"], batch["scored"]
+    t_len = inputs.shape[-1]
+    first = jnp.min(jnp.where(scored, jnp.arange(t_len), t_len))  # before it everything is given
+
+    def body(t, state):
+        buffer, decoded = state
+        pred = jnp.argmax(logits_fn(buffer)[:, t], -1).astype(buffer.dtype)  # (B,)
+        decoded = decoded.at[:, t].set(pred)
+        nxt = jnp.minimum(t + 1, t_len - 1)
+        write = scored[:, t] & (t + 1 < t_len)  # feed the prediction back where it is scored
+        buffer = buffer.at[:, nxt].set(jnp.where(write, pred, buffer[:, nxt]))
+        return buffer, decoded
+
+    _, decoded = jax.lax.fori_loop(first, t_len, body, (inputs, jnp.zeros_like(inputs)))
+    return decoded
 
 
 def chance_accuracy(config: CopyTaskConfig) -> float:

@@ -1,37 +1,61 @@
-"""The decoder-only Transformer of the copy task, built from `TransformerBlock`."""
+"""The decoder-only Transformer every task trains, built from `TransformerBlock`.
+
+One model class, `Decoder`: token embedding + positions → `num_layers` causal blocks →
+final LayerNorm → a linear head over the task's vocabulary. A task only sets the
+sizes (`vocab_size`, `max_len`) and decides which positions its loss scores; the copy
+task and a character language model are the same network with different heads.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jax_mha.functional import resolve_implementation
 from jax_mha.modules import TransformerBlock
+
+POSITIONAL = ("learned", "sinusoidal")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Sizes of the copy-task decoder."""
+    """Sizes of the decoder."""
 
-    vocab_size: int = 14  # PAD, BOS, SEP, EOS + 10 symbols (CopyTaskConfig.vocab_size)
-    max_len: int = 64  # longest input the positional table covers (>= 2L + 2)
+    vocab_size: int = 14  # the copy task's PAD, BOS, SEP, EOS + 10 symbols (CopyTaskConfig.vocab_size)
+    max_len: int = 64  # longest input the positional table covers (the copy task reads 2L + 2)
     d_model: int = 256  # fixed across the head-count sweep (seed 004, E12.2)
     num_heads: int = 8  # the variable of the sweep; head dim = d_model // num_heads
     num_layers: int = 2  # one layer can copy via absolute positions; two leave room for an induction circuit
     d_ff: int = 1024  # 4 * d_model, as in Vaswani et al.
-    dropout_rate: float = 0.0  # the task has infinite fresh data: nothing to regularise
+    dropout_rate: float = 0.0  # the copy task has infinite fresh data: nothing to regularise
     pre_norm: bool = True  # with the final norm below, the GPT-2 layout: stable at lr 1e-3 without tuning
-    positional: str = "learned"  # "learned" or "sinusoidal", see CopyTransformer
+    positional: str = "learned"  # "learned" or "sinusoidal", see Decoder
     implementation: str = "xla"  # attention path; "xla" is the one that can return weights
 
     def __post_init__(self):
-        if self.positional not in ("learned", "sinusoidal"):
-            raise ValueError(f"positional must be 'learned' or 'sinusoidal', got {self.positional!r}")
+        """Raises ValueError (TypeError for a non-int size) naming the bad field."""
+        for field in ("vocab_size", "max_len", "d_model", "num_heads", "num_layers", "d_ff"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+                raise TypeError(f"{field} must be an int, got {value!r}")
+            if value < 1:
+                raise ValueError(f"{field} must be >= 1, got {value}")
+        if not 0.0 <= self.dropout_rate < 1.0:  # also False for NaN
+            raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate}")
+        if self.positional not in POSITIONAL:
+            raise ValueError(f"positional must be one of {POSITIONAL}, got {self.positional!r}")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+        if self.positional == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
+        probe = jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32)
+        resolve_implementation(probe, probe, probe, implementation=self.implementation)  # unknown name: ValueError
 
 
 def sinusoidal_positions(length: int, d_model: int) -> jax.Array:
@@ -43,13 +67,34 @@ def sinusoidal_positions(length: int, d_model: int) -> jax.Array:
     return table.at[:, 1::2].set(jnp.cos(pos * freq[:, : d_model // 2]))
 
 
-class CopyTransformer(nn.Module):
+def check_tokens(tokens, vocab_size: int, max_len: int | None = None) -> None:
+    """Token ids must be ints in `[0, vocab_size)` (an id outside would embed as NaN
+    or wrap around); a traced array is checked for dtype and length only.
+
+    Raises:
+      TypeError: for a non-integer dtype.
+      ValueError: naming the first bad id, or a length above `max_len`.
+    """
+    if not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+        raise TypeError(f"tokens must be integers, got dtype {jnp.result_type(tokens)}")
+    if max_len is not None and jnp.shape(tokens)[-1] > max_len:
+        raise ValueError(f"sequence length {jnp.shape(tokens)[-1]} exceeds max_len={max_len}")
+    if isinstance(tokens, jax.core.Tracer):
+        return  # values unknown while tracing: check before jit (greedy_generate does)
+    values = np.asarray(tokens)
+    bad = (values < 0) | (values >= vocab_size)
+    if bad.any():
+        raise ValueError(f"token id {values[bad].flat[0]} is outside [0, vocab_size={vocab_size})")
+
+
+class Decoder(nn.Module):
     """Token embedding + positions → `num_layers` causal blocks → LayerNorm → logits.
 
     Positions are learned by default: the copy head must attend exactly L+1 tokens
     back, and a learned table lets query and key positions line up for that one
     offset directly; the sinusoidal table (no parameters, extrapolates) is there to
-    compare.
+    compare. Parameters: `embed`, `positions` (learned only), `block_{i}`,
+    `final_norm`, `logits`.
     """
 
     config: ModelConfig
@@ -66,7 +111,8 @@ class CopyTransformer(nn.Module):
         """Next-token logits.
 
         Args:
-          tokens: int `(B…, T)`, `T <= max_len`.
+          tokens: int `(B…, T)`, `T <= max_len`, ids in `[0, vocab_size)` (checked when
+            concrete, see `check_tokens`).
           head_mask: float `(num_layers, H)` gates on every head (1 keeps, 0 removes);
             default all ones.
           deterministic: disables dropout.
@@ -77,12 +123,11 @@ class CopyTransformer(nn.Module):
           `(num_layers, B…, H, T, T)`.
 
         Raises:
-          ValueError: if T exceeds max_len or head_mask has the wrong shape.
+          TypeError, ValueError: bad tokens (see `check_tokens`) or a head_mask of the
+            wrong shape.
         """
         cfg = self.config
-        t = tokens.shape[-1]
-        if t > cfg.max_len:
-            raise ValueError(f"sequence length {t} exceeds max_len={cfg.max_len}")
+        check_tokens(tokens, cfg.vocab_size, cfg.max_len)
         if head_mask is not None and jnp.shape(head_mask) != (cfg.num_layers, cfg.num_heads):
             raise ValueError(
                 f"head_mask must have shape (num_layers, num_heads) = {(cfg.num_layers, cfg.num_heads)}, "
@@ -93,9 +138,8 @@ class CopyTransformer(nn.Module):
             table = self.param("positions", nn.initializers.normal(0.02), (cfg.max_len, cfg.d_model))
         else:
             table = sinusoidal_positions(cfg.max_len, cfg.d_model)
-        x = x + jnp.broadcast_to(table[:t], x.shape)
+        x = x + jnp.broadcast_to(table[: tokens.shape[-1]], x.shape)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-
         all_weights = []
         for layer in range(cfg.num_layers):
             block = TransformerBlock(
@@ -111,3 +155,51 @@ class CopyTransformer(nn.Module):
         x = nn.LayerNorm(name="final_norm")(x)
         logits = nn.Dense(cfg.vocab_size, name="logits")(x).astype(jnp.float32)  # (B…, T, V)
         return (logits, jnp.stack(all_weights)) if return_weights else logits
+
+
+# The copy task's name for the same network (its checkpoints and analyses use it).
+CopyTransformer = Decoder
+
+
+def greedy_generate(params, model: Decoder, prompt, num_tokens: int, *, head_mask=None) -> jax.Array:
+    """Continues `prompt` by `num_tokens` greedy (argmax) tokens.
+
+    Each new token is the argmax of the model run on the sequence so far; the model is
+    re-run on a fixed-length buffer, so one compilation serves every step (no KV
+    cache: fine for the short sequences here).
+
+    Args:
+      params: the model's parameters.
+      model: a `Decoder`.
+      prompt: int `(B, P)`, ids in `[0, vocab_size)`, `P >= 1`.
+      num_tokens: new tokens, `P + num_tokens <= max_len`.
+      head_mask: optional `(num_layers, H)` gates.
+
+    Returns:
+      int32 `(B, P + num_tokens)`: the prompt followed by the generated tokens.
+
+    Raises:
+      TypeError, ValueError: bad prompt ids or dtype, `num_tokens < 0`, or a total
+        length above `max_len`.
+    """
+    cfg = model.config
+    prompt = jnp.asarray(prompt)
+    if prompt.ndim != 2 or prompt.shape[1] < 1:
+        raise ValueError(f"prompt must be int (B, P) with P >= 1, got shape {prompt.shape}")
+    if num_tokens < 0 or prompt.shape[1] + num_tokens > cfg.max_len:
+        raise ValueError(f"prompt length {prompt.shape[1]} + num_tokens={num_tokens} must be in "
+                         f"[{prompt.shape[1]}, max_len={cfg.max_len}]")
+    check_tokens(prompt, cfg.vocab_size)
+    return _generate(params, model, prompt.astype(jnp.int32), num_tokens, head_mask)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "num_tokens"))
+def _generate(params, model, prompt, num_tokens, head_mask):
+    b, p = prompt.shape
+    buffer = jnp.zeros((b, p + num_tokens), jnp.int32).at[:, :p].set(prompt)
+
+    def body(t, buffer):
+        logits = model.apply({"params": params}, buffer, head_mask=head_mask)  # causal: later slots unseen
+        return buffer.at[:, t].set(jnp.argmax(logits[:, t - 1], -1).astype(jnp.int32))
+
+    return jax.lax.fori_loop(p, p + num_tokens, body, buffer)

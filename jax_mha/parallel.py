@@ -26,36 +26,33 @@ mirror the parameters (Adam's `mu/…/query/kernel`), and stacked (seed-vmapped)
 whose extra leading axes it leaves unsharded. Trees that do carry flax boxes are
 honoured too: a boxed leaf keeps its own logical names.
 
-Using it from an experiment (`--mesh data=2,model=2`)::
+This module only works out *where* arrays go: meshes, partition specs, shardings.
+The one `jax.jit` over them lives in the trainer (`jax_mha.train`), big_vision's
+shape — `jit(step, out_shardings=..., donate_argnums=(0,))` — so imports point one
+way (`train` imports `parallel`, never the reverse)::
 
-    from jax_mha import parallel
-    mesh = parallel.make_mesh(**parallel.parse_mesh_spec(args.mesh))
-    state = parallel.shard_train_state(init_state(key, model, optimizer), mesh)
-    step = parallel.make_sharded_train_step(model, optimizer, mesh)
-    state, metrics = step(state, batch, rng)   # batch is split over "data"
+    from jax_mha import parallel, train
+    mesh = parallel.make_mesh(**parallel.parse_mesh_spec("data=2,model=2"))
+    state = parallel.shard(train.init_state(key, model, optimizer), mesh)
+    step = train.jit_train_step(model, optimizer, mesh=mesh)
+    state, metrics = step(state, batch, rng)   # the batch is split over "data"
 
-or, for `train_seeds`-style scanned chunks over a stacked seed axis,
-`make_sharded_train_chunk(..., num_seeds=S)` in place of `jit(vmap(chunk))`. On a CPU
-host, `XLA_FLAGS=--xla_force_host_platform_device_count=4` (set before jax is
-imported) gives four devices to try it.
+and `train.train_seeds(..., mesh=mesh)` runs the seed-vmapped, scanned chunks the
+same way. On a CPU host, `XLA_FLAGS=--xla_force_host_platform_device_count=4` (set
+before jax is imported) gives four devices to try it.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-from jax_mha.data import CopyTaskConfig
-from jax_mha.models import CopyTransformer
-from jax_mha.train import TrainState, init_state, make_train_chunk, make_train_step
 
 MESH_AXES = ("data", "model")
 
@@ -286,8 +283,13 @@ def check_batch_divisible(batch_size: int, mesh: Mesh, rules: Rules = DEFAULT_RU
 
 
 # ---------------------------------------------------------------------------------
-# Sharded training of the copy-task model.
+# Placing data: what the trainer jits with.
 # ---------------------------------------------------------------------------------
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A copy on every device (scalars, PRNG keys, metrics)."""
+    return NamedSharding(mesh, PartitionSpec())
 
 
 def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES, leading_axes: int = 0) -> NamedSharding:
@@ -307,82 +309,17 @@ def shard_batch(batch: Mapping[str, jax.Array], mesh: Mesh, rules: Rules = DEFAU
     return jax.device_put(dict(batch), batch_sharding(mesh, rules))
 
 
-def shard_train_state(state: TrainState, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> TrainState:
-    """Moves a `TrainState` (or a stack of them over seeds) onto the mesh.
+def shard(tree: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
+    """Moves a pytree (parameters, a `train.TrainState`, a stack of them over seeds)
+    onto the mesh: leaves matched by `PARAM_LOGICAL_AXES` (and the optimizer moments
+    that mirror them) are split by `rules`, everything else is replicated.
 
-    Parameters and the optimizer moments that mirror them are split by
-    `PARAM_LOGICAL_AXES` + `rules`; scalars (step, Adam's count) are replicated.
-
-    The result never aliases `state`'s buffers, so donating it to a sharded step
+    The result never aliases `tree`'s buffers, so donating it to a sharded step
     leaves the original usable (`device_put` alone may reuse the buffer of a
-    replicated leaf for the shard on its own device, `may_alias=False` or not).
+    replicated leaf for the shard on its own device).
 
     Raises:
       ValueError: if a sharded axis does not divide evenly (naming leaf and sizes).
     """
-    shardings = tree_shardings(state, mesh, rules)
-    return jax.device_put(jax.tree.map(jnp.copy, state), shardings)
-
-
-def _abstract_state(model: CopyTransformer, optimizer: optax.GradientTransformation, num_seeds: int | None):
-    """Shapes of the state, without computing it."""
-    one = lambda key: init_state(key, model, optimizer)
-    if num_seeds is None:
-        return jax.eval_shape(one, jax.random.PRNGKey(0))
-    return jax.eval_shape(jax.vmap(one), jnp.zeros((num_seeds, 2), jnp.uint32))
-
-
-def make_sharded_train_step(
-    model: CopyTransformer, optimizer: optax.GradientTransformation, mesh: Mesh, rules: Rules = DEFAULT_RULES
-) -> Callable:
-    """`step(state, batch, rng) -> (state, metrics)`: `train.make_train_step`, jitted
-    over the mesh with explicit in/out shardings and the state donated.
-
-    The state must come from `shard_train_state` (same mesh and rules); the batch
-    may live anywhere (it is split over "data" on entry); metrics are replicated.
-
-    Raises:
-      ValueError: at construction if `num_heads` does not divide by the "model"
-        axis; at call if the batch size does not divide by the "data" axis.
-    """
-    cfg = model.config
-    check_heads_divisible(cfg.num_heads, mesh, rules)
-    state_sh = tree_shardings(_abstract_state(model, optimizer, None), mesh, rules)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    jitted = jax.jit(
-        make_train_step(model, optimizer),
-        in_shardings=(state_sh, batch_sharding(mesh, rules), replicated),
-        out_shardings=(state_sh, replicated),
-        donate_argnums=(0,),
-    )
-
-    def step(state: TrainState, batch: Mapping[str, jax.Array], rng: jax.Array):
-        check_batch_divisible(batch["inputs"].shape[0], mesh, rules)
-        return jitted(state, dict(batch), rng)
-
-    step.jitted = jitted  # for .lower(...) / HLO inspection
-    return step
-
-
-def make_sharded_train_chunk(
-    model: CopyTransformer, optimizer: optax.GradientTransformation, task: CopyTaskConfig,
-    batch_size: int, num_steps: int, mesh: Mesh, rules: Rules = DEFAULT_RULES, *,
-    num_seeds: int | None = None,
-) -> Callable:
-    """The sharded twin of `jit(train.make_train_chunk(...))` (`vmap`ped over a
-    leading seed axis when `num_seeds` is given): `chunk(state, run_key) -> (state,
-    metrics)`, same batches and dropout keys as the single-device chunk, each
-    generated batch constrained to be split over "data".
-
-    Raises:
-      ValueError: if `num_heads` or `batch_size` do not divide by their mesh axes.
-    """
-    check_heads_divisible(model.config.num_heads, mesh, rules)
-    check_batch_divisible(batch_size, mesh, rules)
-    chunk = make_train_chunk(
-        model, optimizer, task, batch_size, num_steps, batch_sharding=batch_sharding(mesh, rules)
-    )
-    fn = chunk if num_seeds is None else jax.vmap(chunk)
-    state_sh = tree_shardings(_abstract_state(model, optimizer, num_seeds), mesh, rules)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(fn, in_shardings=(state_sh, replicated), out_shardings=(state_sh, replicated), donate_argnums=(0,))
+    shardings = tree_shardings(tree, mesh, rules)
+    return jax.device_put(jax.tree.map(jnp.copy, tree), shardings)

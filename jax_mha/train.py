@@ -1,28 +1,39 @@
-"""Training and evaluation of the copy-task decoder with optax.
+"""Training and evaluation of the decoder on any task, with optax: the one trainer.
 
-One trainer for every experiment. The unit of work is a *chunk*: `steps_per_call`
-optimizer steps fused into one compiled call with `jax.lax.scan`, vmapped over a
-leading seed axis so that all seeds of one configuration train in one program.
-Randomness is explicit: each seed's key is split once into a data key and a dropout
-key, and step `t` uses `fold_in(key, t)` of each (big_vision's convention).
+The unit of work is a *chunk*: `steps_per_call` optimizer steps fused into one
+compiled call with `jax.lax.scan`, vmapped over a leading seed axis so that all seeds
+of one configuration train in one program. Randomness is explicit: each seed's key is
+split once into a data key and a dropout key, and step `t` uses `fold_in(key, t)` of
+each (big_vision's convention), so a run resumed from a saved state at step `t`
+continues exactly as if it had never stopped.
+
+The task (`jax_mha.data.Task`) supplies the batches, its held-out metrics and the
+metric early stopping watches; the loss is the cross-entropy over the positions the
+batch marks as `scored`. This module also does the one `jax.jit` over a device mesh:
+`jax_mha.parallel` only says where each array goes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
 
-from jax_mha.data import CopyTaskConfig, make_batch
+from jax_mha import parallel
+from jax_mha.checkpoint import load_train_state, save_train_state
+from jax_mha.data import Batch, Task, task_to_dict
 from jax_mha.functional import attention_entropy
-from jax_mha.models import CopyTransformer, ModelConfig
+from jax_mha.models import Decoder, ModelConfig
+
+_POSITIVE_INTS = ("batch_size", "num_steps", "steps_per_call", "eval_every", "eval_size", "early_stop_evals")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +41,7 @@ class TrainConfig:
     """How to train; defaults are the `full` head-ablation budget."""
 
     batch_size: int = 64  # sequences per step
-    num_steps: int = 3000  # upper bound; early stopping usually ends sooner
+    num_steps: int = 3000  # upper bound (a multiple of steps_per_call); early stopping usually ends sooner
     learning_rate: float = 1e-3  # AdamW peak; fine for pre-norm blocks at d_model <= 512
     warmup_steps: int = 100  # linear warmup avoids Adam's large first steps
     end_lr_ratio: float = 0.01  # cosine decays to this fraction of the peak
@@ -45,15 +56,29 @@ class TrainConfig:
     early_stop_evals: int = 2  # ... on this many consecutive held-out evaluations
 
     def __post_init__(self):
-        if self.eval_every % self.steps_per_call:
-            raise ValueError(
-                f"eval_every={self.eval_every} must be a multiple of steps_per_call={self.steps_per_call}"
-            )
-        if min(self.batch_size, self.num_steps, self.steps_per_call, self.eval_size) < 1:
-            raise ValueError(
-                f"batch_size={self.batch_size}, num_steps={self.num_steps}, steps_per_call="
-                f"{self.steps_per_call} and eval_size={self.eval_size} must all be >= 1"
-            )
+        """Raises ValueError (TypeError for a non-int count) naming the bad field."""
+        for field in _POSITIVE_INTS + ("warmup_steps",):
+            value = getattr(self, field)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+                raise TypeError(f"{field} must be an int, got {value!r}")
+        for field in _POSITIVE_INTS:
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+        # Written so that NaN fails every check.
+        checks = (
+            ("learning_rate", 0 < self.learning_rate < math.inf, "a finite number > 0"),
+            ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
+            ("end_lr_ratio", 0 <= self.end_lr_ratio <= 1, "in [0, 1]"),
+            ("weight_decay", 0 <= self.weight_decay < math.inf, "a finite number >= 0"),
+            ("grad_clip_norm", 0 < self.grad_clip_norm < math.inf, "a finite number > 0"),
+            ("target_accuracy", 0 < self.target_accuracy <= 1, "in (0, 1]"),
+        )
+        for field, ok, want in checks:
+            if not ok:
+                raise ValueError(f"{field} must be {want}, got {getattr(self, field)}")
+        for field in ("eval_every", "num_steps"):
+            if getattr(self, field) % self.steps_per_call:
+                raise ValueError(f"{field}={getattr(self, field)} must be a multiple of steps_per_call={self.steps_per_call}")
 
 
 class TrainState(struct.PyTreeNode):
@@ -77,14 +102,22 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     )
 
 
-def init_state(key: jax.Array, model: CopyTransformer, optimizer: optax.GradientTransformation) -> TrainState:
+def init_state(key: jax.Array, model: Decoder, optimizer: optax.GradientTransformation) -> TrainState:
     """Initial parameters and optimizer state for one seed."""
     tokens = jnp.zeros((1, model.config.max_len), jnp.int32)
     params = model.init(key, tokens)["params"]
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
 
-def scored_loss(logits: jax.Array, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+def abstract_state(model: Decoder, optimizer: optax.GradientTransformation, num_seeds: int | None = None):
+    """Shapes of the (seed-stacked, if `num_seeds`) state, without computing it."""
+    one = lambda key: init_state(key, model, optimizer)
+    if num_seeds is None:
+        return jax.eval_shape(one, jax.random.PRNGKey(0))
+    return jax.eval_shape(jax.vmap(one), jnp.zeros((num_seeds, 2), jnp.uint32))
+
+
+def scored_loss(logits: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
     """Mean cross-entropy and token accuracy over scored positions.
 
     Args:
@@ -92,7 +125,7 @@ def scored_loss(logits: jax.Array, batch: dict[str, jax.Array]) -> tuple[jax.Arr
       batch: `targets (B, T)` int, `scored (B, T)` bool.
 
     Returns:
-      `(loss, accuracy)`, scalars.
+      `(loss, accuracy)`, scalars (0 and 0 when nothing is scored).
     """
     weight = batch["scored"].astype(jnp.float32)
     count = jnp.maximum(weight.sum(), 1.0)
@@ -101,50 +134,82 @@ def scored_loss(logits: jax.Array, batch: dict[str, jax.Array]) -> tuple[jax.Arr
     return (nll * weight).sum() / count, (correct * weight).sum() / count
 
 
-def make_train_step(model: CopyTransformer, optimizer: optax.GradientTransformation) -> Callable:
-    """`train_step(state, batch, rng) -> (state, metrics)`, pure; jit it with
-    `donate_argnums=(0,)` (see `jit_train_step`)."""
+def make_train_step(
+    model: Decoder, optimizer: optax.GradientTransformation, *, loss_fn: Callable = scored_loss,
+    batch_sharding: jax.sharding.Sharding | None = None,
+) -> Callable:
+    """`train_step(state, batch, rng) -> (state, metrics)`, pure; `jit_train_step`
+    jits it. `loss_fn(logits, batch) -> (loss, accuracy)`; `batch_sharding`, if
+    given, constrains the batch (how it is split over a mesh)."""
 
-    def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
-        def loss_fn(params):
+    def train_step(state: TrainState, batch: Batch, rng: jax.Array):
+        if batch_sharding is not None:
+            batch = jax.lax.with_sharding_constraint(batch, batch_sharding)
+
+        def loss(params):
             logits = model.apply({"params": params}, batch["inputs"], deterministic=False, rngs={"dropout": rng})
-            return scored_loss(logits, batch)
+            return loss_fn(logits, batch)
 
-        (loss, accuracy), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        (value, accuracy), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        return new_state, {"loss": loss, "accuracy": accuracy, "grad_norm": optax.tree.norm(grads)}
+        return new_state, {"loss": value, "accuracy": accuracy, "grad_norm": optax.tree.norm(grads)}
 
     return train_step
 
 
-def jit_train_step(model: CopyTransformer, optimizer: optax.GradientTransformation) -> Callable:
-    """The jitted single step; the input state's buffers are donated (reused in place)."""
-    return jax.jit(make_train_step(model, optimizer), donate_argnums=(0,))
+def _jit(fn: Callable, model: Decoder, optimizer, num_seeds: int | None, mesh, rules) -> Callable:
+    """The one jit: the state donated and, on a mesh, kept sharded by `parallel`."""
+    if mesh is None:
+        return jax.jit(fn, donate_argnums=(0,))
+    state_sh = parallel.tree_shardings(abstract_state(model, optimizer, num_seeds), mesh, rules)
+    return jax.jit(fn, out_shardings=(state_sh, parallel.replicated(mesh)), donate_argnums=(0,))
+
+
+def jit_train_step(
+    model: Decoder, optimizer: optax.GradientTransformation, *, mesh: jax.sharding.Mesh | None = None,
+    rules: parallel.Rules = parallel.DEFAULT_RULES,
+) -> Callable:
+    """The jitted single step; the input state's buffers are donated (reused in place).
+
+    With a `mesh`, pass a state placed by `parallel.shard`; heads are split over its
+    "model" axis and each batch over "data", and the state stays sharded.
+
+    Raises:
+      ValueError: if `num_heads` does not divide by the "model" axis (at once) or
+        the batch size by the "data" axis (at the first call).
+    """
+    if mesh is None:
+        return _jit(make_train_step(model, optimizer), model, optimizer, None, None, rules)
+    parallel.check_heads_divisible(model.config.num_heads, mesh, rules)
+    step = make_train_step(model, optimizer, batch_sharding=parallel.batch_sharding(mesh, rules))
+
+    def checked_step(state, batch, rng):
+        parallel.check_batch_divisible(batch["inputs"].shape[0], mesh, rules)  # while tracing: shapes are known
+        return step(state, batch, rng)
+
+    return _jit(checked_step, model, optimizer, None, mesh, rules)
 
 
 def make_train_chunk(
-    model: CopyTransformer, optimizer: optax.GradientTransformation, task: CopyTaskConfig,
-    batch_size: int, num_steps: int, *, batch_sharding: jax.sharding.Sharding | None = None,
+    model: Decoder, optimizer: optax.GradientTransformation, task: Task, batch_size: int, num_steps: int,
+    *, batch_sharding: jax.sharding.Sharding | None = None,
 ) -> Callable:
     """`chunk(state, run_key) -> (state, metrics)`: `num_steps` steps in one `lax.scan`.
 
-    Step `t`'s batch is `make_batch(fold_in(data_key, t))` and its dropout key
-    `fold_in(dropout_key, t)`, with `data_key, dropout_key = split(run_key)`, so a
-    run is reproducible whatever the chunking. Metrics carry a leading `(num_steps,)`
-    axis. `batch_sharding`, if given, constrains every generated batch (see
-    `jax_mha.parallel`).
+    Step `t`'s batch is `task.batch(fold_in(data_key, t), batch_size)` and its dropout
+    key `fold_in(dropout_key, t)`, with `data_key, dropout_key = split(run_key)`, so a
+    run is reproducible from its seed and resumable from any saved state. Metrics
+    come back per step, `(num_steps,)` each.
     """
-    train_step = make_train_step(model, optimizer)
+    train_step = make_train_step(model, optimizer, batch_sharding=batch_sharding)
 
     def chunk(state: TrainState, run_key: jax.Array):
         data_key, dropout_key = jax.random.split(run_key)
 
         def body(state, _):
-            batch = make_batch(jax.random.fold_in(data_key, state.step), task, batch_size)
-            if batch_sharding is not None:
-                batch = jax.lax.with_sharding_constraint(batch, batch_sharding)
+            batch = task.batch(jax.random.fold_in(data_key, state.step), batch_size)
             return train_step(state, batch, jax.random.fold_in(dropout_key, state.step))
 
         return jax.lax.scan(body, state, None, length=num_steps)
@@ -152,55 +217,40 @@ def make_train_chunk(
     return chunk
 
 
-def greedy_decode(params, model: CopyTransformer, batch: dict[str, jax.Array], head_mask=None) -> jax.Array:
-    """Greedy autoregressive decoding of every scored position.
+def jit_train_chunk(
+    model: Decoder, optimizer: optax.GradientTransformation, task: Task, batch_size: int, num_steps: int,
+    *, num_seeds: int | None = None, mesh: jax.sharding.Mesh | None = None,
+    rules: parallel.Rules = parallel.DEFAULT_RULES,
+) -> Callable:
+    """`make_train_chunk` jitted with the state donated, `vmap`ped over a leading
+    seed axis when `num_seeds` is given; with a `mesh`, sharded as `jit_train_step`.
 
-    Starting from the inputs with the scored region unknown, position `t` of the
-    second copy is filled with the argmax of the model run on what has been decoded
-    so far (no teacher forcing). Tokens after a sequence's EOS are never read by the
-    scored positions, as attention is causal.
-
-    Returns:
-      int `(B, T)`: the decoded next token at every position (compare with
-      `targets` where `scored`).
+    Raises:
+      ValueError: if `num_heads` or `batch_size` do not divide by their mesh axes.
     """
-    inputs, scored = batch["inputs"], batch["scored"]
-    t_len = inputs.shape[-1]
-    # The first scored target sits at t = L + 1; before it everything is given.
-    first = jnp.min(jnp.where(scored, jnp.arange(t_len), t_len))
-
-    def body(t, state):
-        buffer, decoded = state
-        logits = model.apply({"params": params}, buffer, head_mask=head_mask)
-        pred = jnp.argmax(logits[:, t], -1).astype(buffer.dtype)  # (B,)
-        decoded = decoded.at[:, t].set(pred)
-        # Feed the prediction back as the next input where this position is scored.
-        if_scored = scored[:, t]
-        nxt = jnp.minimum(t + 1, t_len - 1)
-        write = if_scored & (t + 1 < t_len)
-        buffer = buffer.at[:, nxt].set(jnp.where(write, pred, buffer[:, nxt]))
-        return buffer, decoded
-
-    _, decoded = jax.lax.fori_loop(first, t_len, body, (inputs, jnp.zeros_like(inputs)))
-    return decoded
+    sharding = None
+    if mesh is not None:
+        parallel.check_heads_divisible(model.config.num_heads, mesh, rules)
+        parallel.check_batch_divisible(batch_size, mesh, rules)
+        sharding = parallel.batch_sharding(mesh, rules)
+    chunk = make_train_chunk(model, optimizer, task, batch_size, num_steps, batch_sharding=sharding)
+    return _jit(chunk if num_seeds is None else jax.vmap(chunk), model, optimizer, num_seeds, mesh, rules)
 
 
-def evaluate(params, model: CopyTransformer, batch: dict[str, jax.Array], head_mask=None) -> dict[str, jax.Array]:
-    """Held-out metrics of one model.
+def evaluate(params, model: Decoder, task: Task, batch: Batch, head_mask=None) -> dict[str, jax.Array]:
+    """Held-out metrics of one model; jittable.
 
     Returns a dict of:
       loss, token_accuracy: teacher-forced, over scored positions;
-      exact_accuracy: fraction of sequences whose greedy decoding is right at every
-        scored position;
+      the task's own metrics (`task.eval_metrics`, e.g. the copy task's
+        `exact_accuracy` from greedy decoding);
       entropy, entropy_normalized, confidence: `(num_layers, H)`, mean over scored
         queries of each head's attention entropy (nats), of the entropy divided by
         ln(number of keys the query may see), and of the max weight.
     """
     logits, weights = model.apply({"params": params}, batch["inputs"], head_mask=head_mask, return_weights=True)
     loss, token_accuracy = scored_loss(logits, batch)
-    decoded = greedy_decode(params, model, batch, head_mask)
-    exact = jnp.all(jnp.where(batch["scored"], decoded == batch["targets"], True), axis=-1)
-
+    logits_fn = lambda tokens: model.apply({"params": params}, tokens, head_mask=head_mask)
     # weights: (layers, B, H, T, T); query t sees t + 1 keys under the causal mask.
     t_len = batch["inputs"].shape[-1]
     entropy = attention_entropy(weights)  # (layers, B, H, T)
@@ -212,11 +262,14 @@ def evaluate(params, model: CopyTransformer, batch: dict[str, jax.Array], head_m
     return {
         "loss": loss,
         "token_accuracy": token_accuracy,
-        "exact_accuracy": exact.mean(),
+        **task.eval_metrics(logits_fn, logits, batch),
         "entropy": per_head(entropy),
         "entropy_normalized": per_head(normalized),
         "confidence": per_head(confidence),
     }
+
+
+# ----------------------------------------------------------------- many seeds, resumable
 
 
 @dataclasses.dataclass
@@ -229,20 +282,144 @@ class SeedsResult:
     evals: dict[str, np.ndarray]  # "step" (E,), then each evaluate() metric stacked (seeds, E, …)
     steps_to_target: list[int | None]  # first eval step with held-out token accuracy >= target, per seed
     steps_run: int
-    wall_seconds: float  # everything: compile, training, evaluation
-    train_seconds: float  # training calls after the first (compile excluded)
+    stop_reason: str  # "target reached" (early stop) or "step limit"
+    resumed_from: int  # the step a saved state was resumed at (0: a fresh run)
+    wall_seconds: float  # everything, over every process of the run: compile, training, evaluation
+    train_seconds: float  # training calls after each process's first (compile excluded)
     tokens_per_second: float  # sum over seeds, from train_seconds
 
 
+@dataclasses.dataclass(frozen=True)
+class _Programs:
+    """The compiled pieces of one run, all over the stacked seed axis."""
+
+    init: Callable  # (init_keys (S, 2)) -> state
+    chunk: Callable  # (state, run_keys (S, 2)) -> (state, metrics (S, steps_per_call))
+    evaluate: Callable  # (params) -> metrics (S, …)
+    place: Callable  # state as loaded -> state where `chunk` wants it
+
+
+def _stack(trees):
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _unstack(tree, n: int):
+    return [jax.tree.map(lambda x: x[i], tree) for i in range(n)]
+
+
+def _programs(model, optimizer, task, cfg: TrainConfig, num_seeds: int, use_vmap: bool, mesh) -> _Programs:
+    eval_batch = task.batch(jax.random.key(cfg.eval_seed), cfg.eval_size)  # eager: its ops stay compiled across runs
+    eval_one = lambda params: evaluate(params, model, task, eval_batch)
+    # One seed at a time: XLA:CPU compiles the vmapped initialisers ~5x slower, and
+    # the values are the same (jax.random is vmap-invariant).
+    one_init = jax.jit(lambda key: init_state(key, model, optimizer))
+    init = lambda keys: _stack([one_init(k) for k in keys])
+    if use_vmap:
+        place = (lambda s: s) if mesh is None else (lambda s: parallel.shard(s, mesh))
+        return _Programs(
+            init=lambda keys: place(init(keys)),
+            chunk=jit_train_chunk(model, optimizer, task, cfg.batch_size, cfg.steps_per_call,
+                                  num_seeds=num_seeds, mesh=mesh),
+            evaluate=jax.jit(jax.vmap(eval_one)), place=place)
+    if mesh is not None:
+        raise ValueError("a mesh needs use_vmap=True: the sharded program is the vmapped one")
+    one_chunk = jit_train_chunk(model, optimizer, task, cfg.batch_size, cfg.steps_per_call)
+    one_eval = jax.jit(eval_one)
+    return _Programs(
+        init=init,
+        chunk=lambda states, keys: _stack([one_chunk(s, k) for s, k in zip(_unstack(states, num_seeds), keys)]),
+        evaluate=lambda params: _stack([one_eval(p) for p in _unstack(params, num_seeds)]),
+        place=lambda s: s)
+
+
+def _fresh_history(fingerprint: dict) -> dict:
+    """What a run has measured so far; saved beside the state, so a resumed run's
+    curves, timings and early-stopping count carry on."""
+    return {"fingerprint": fingerprint, "step": 0, "consecutive": 0, "stop_reason": None,
+            "curve": {"step": [], "loss": [], "accuracy": []}, "evals": {"step": []},
+            "train_seconds": 0.0, "timed_steps": 0, "wall_seconds": 0.0}
+
+
+def _start(programs: _Programs, init_keys, state_file: Path | None, fingerprint: dict, target):
+    """A fresh state, or the one saved in `state_file` by the same run.
+
+    Raises:
+      ValueError: naming the file, if it is damaged or was saved by another run.
+    """
+    if state_file is None or not Path(state_file).exists():
+        return programs.init(init_keys), _fresh_history(fingerprint)
+    state, history = load_train_state(state_file, target)
+    saved = history.get("fingerprint")
+    if saved != fingerprint:
+        keys = sorted(k for k in fingerprint if saved is None or saved.get(k) != fingerprint[k])
+        raise ValueError(f"{state_file} was saved by another run (it differs in {keys}); delete it to start over")
+    return programs.place(state), history
+
+
+def _advance(programs: _Programs, state, run_keys, history: dict, seeds: list[int], timed: bool):
+    """One chunk of training; its means go into `history`. Raises RuntimeError at
+    once, naming the step and seed, if a loss is not finite."""
+    t0 = time.perf_counter()
+    state, metrics = programs.chunk(state, run_keys)
+    loss = np.asarray(metrics["loss"])  # (seeds, steps_per_call); waits for the call
+    if timed:
+        history["train_seconds"] += time.perf_counter() - t0
+        history["timed_steps"] += loss.shape[1]
+    if not np.all(np.isfinite(loss)):
+        seed_idx, offset = np.argwhere(~np.isfinite(loss))[0]
+        raise RuntimeError(
+            f"non-finite loss {loss[seed_idx, offset]} at step {history['step'] + offset} (seed {seeds[seed_idx]})")
+    accuracy = np.asarray(metrics["accuracy"])
+    history["step"] += loss.shape[1]
+    for name, value in (("step", history["step"]), ("loss", loss.mean(-1)), ("accuracy", accuracy.mean(-1))):
+        history["curve"][name].append(value)
+    return state, {"step": history["step"], "loss": float(loss.mean()), "accuracy": float(accuracy.mean())}
+
+
+def _evaluate(programs: _Programs, state, history: dict, cfg: TrainConfig, task: Task) -> dict:
+    """Held-out metrics into `history`; counts evaluations in a row at the target."""
+    result = jax.tree.map(np.asarray, programs.evaluate(state.params))
+    history["evals"]["step"].append(history["step"])
+    for name, value in result.items():
+        history["evals"].setdefault(name, []).append(value)
+    if task.stop_metric is not None:
+        solved = bool(np.all(result[task.stop_metric] >= cfg.target_accuracy))
+        history["consecutive"] = history["consecutive"] + 1 if solved else 0
+        if cfg.early_stop and history["consecutive"] >= cfg.early_stop_evals:
+            history["stop_reason"] = "target reached"
+    return result
+
+
+def _result(seeds, state, history: dict, cfg: TrainConfig, task: Task, resumed_from: int) -> SeedsResult:
+    """Curves stacked to (seeds, C), eval metrics to (seeds, E, …)."""
+    evals = {"step": np.asarray(history["evals"]["step"])}
+    evals.update({k: np.stack(v, axis=1) for k, v in history["evals"].items() if k != "step"})
+    curve = {"step": np.asarray(history["curve"]["step"])}
+    curve.update({k: np.stack(history["curve"][k], 1) for k in ("loss", "accuracy")})
+    hit = evals["token_accuracy"] >= cfg.target_accuracy  # (seeds, E)
+    tokens = history["timed_steps"] * cfg.batch_size * task.seq_len * len(seeds)
+    return SeedsResult(
+        seeds=seeds, state=state, curve=curve, evals=evals,
+        steps_to_target=[int(evals["step"][row.argmax()]) if row.any() else None for row in hit],
+        steps_run=history["step"], stop_reason=history["stop_reason"] or "step limit", resumed_from=resumed_from,
+        wall_seconds=history["wall_seconds"], train_seconds=history["train_seconds"],
+        tokens_per_second=tokens / history["train_seconds"] if history["train_seconds"] > 0 else float("nan"),
+    )
+
+
+def _check_run(model_cfg: ModelConfig, task: Task, seeds: list[int]) -> None:
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds must be a non-empty list of distinct ints, got {seeds}")
+    if model_cfg.vocab_size != task.vocab_size or model_cfg.max_len < task.seq_len:
+        raise ValueError(
+            f"model (vocab_size={model_cfg.vocab_size}, max_len={model_cfg.max_len}) does not fit the "
+            f"{task.name} task (vocab_size={task.vocab_size}, seq_len={task.seq_len})")
+
+
 def train_seeds(
-    model_cfg: ModelConfig,
-    task: CopyTaskConfig,
-    cfg: TrainConfig,
-    seeds: Sequence[int],
-    *,
-    use_vmap: bool = True,
-    mesh: jax.sharding.Mesh | None = None,
-    callback: Callable[[dict[str, Any]], None] | None = None,
+    model_cfg: ModelConfig, task: Task, cfg: TrainConfig, seeds: Sequence[int], *, use_vmap: bool = True,
+    mesh: jax.sharding.Mesh | None = None, callback: Callable[[dict[str, Any]], None] | None = None,
+    state_file: str | Path | None = None,
 ) -> SeedsResult:
     """Trains one model per seed: all seeds in one vmapped program (or, with
     `use_vmap=False`, one after another, for comparison).
@@ -250,93 +427,43 @@ def train_seeds(
     With a `mesh` (`jax_mha.parallel.make_mesh`), the vmapped program runs sharded:
     heads across its "model" axis, each batch across "data"; the results are the same.
 
+    With a `state_file`, the state (parameters, optimizer state, step) and everything
+    measured so far are saved there at every evaluation, and a run that finds the
+    file (saved by the same configuration and seeds) continues from it; the file is
+    left in place (delete it when the results are safe elsewhere).
+
     `callback`, if given, receives after every chunk a dict with `step`, `loss`,
-    `accuracy` (means over seeds of the chunk) and, at evaluation points, `eval`
-    (the metrics of `evaluate`, stacked over seeds): progress bars live there.
+    `accuracy` (means over seeds of the chunk), at evaluation points `eval` (the
+    metrics of `evaluate`, stacked over seeds) and, once, `stopped` (why the run
+    ended): progress bars live there.
 
     Raises:
+      ValueError: for seeds that are not distinct, a model that does not fit the
+        task, or a `state_file` that is damaged or belongs to another run.
       RuntimeError: at once, naming the step and seed, if a loss is not finite.
     """
-    if cfg.num_steps % cfg.steps_per_call:
-        raise ValueError(f"num_steps={cfg.num_steps} must be a multiple of steps_per_call={cfg.steps_per_call}")
-    start = time.perf_counter()
-    model = CopyTransformer(model_cfg)
-    optimizer = make_optimizer(cfg)
-    seeds = list(seeds)
+    start, seeds = time.perf_counter(), [int(s) for s in seeds]
+    _check_run(model_cfg, task, seeds)
+    model, optimizer = Decoder(model_cfg), make_optimizer(cfg)
+    programs = _programs(model, optimizer, task, cfg, len(seeds), use_vmap, mesh)
     # Raw uint32 keys: plain arrays, so they stack and vmap like any other input.
     keys = jax.vmap(jax.random.split)(jnp.stack([jax.random.PRNGKey(s) for s in seeds]))  # (seeds, 2, 2)
-    init_keys, run_keys = keys[:, 0], keys[:, 1]
-    eval_batch = make_batch(jax.random.key(cfg.eval_seed), task, cfg.eval_size)
-
-    chunk = make_train_chunk(model, optimizer, task, cfg.batch_size, cfg.steps_per_call)
-    eval_fn = lambda params: evaluate(params, model, eval_batch)
-    if mesh is not None:
-        if not use_vmap:
-            raise ValueError("a mesh needs use_vmap=True: the sharded program is the vmapped one")
-        from jax_mha import parallel  # parallel builds on this module; imported late to keep imports one-way
-
-        chunk_fn = parallel.make_sharded_train_chunk(
-            model, optimizer, task, cfg.batch_size, cfg.steps_per_call, mesh, num_seeds=len(seeds)
-        )
-        eval_all = jax.jit(jax.vmap(eval_fn))
-        state = parallel.shard_train_state(jax.jit(jax.vmap(lambda k: init_state(k, model, optimizer)))(init_keys), mesh)
-    elif use_vmap:
-        chunk_fn = jax.jit(jax.vmap(chunk), donate_argnums=(0,))
-        eval_all = jax.jit(jax.vmap(eval_fn))
-        state = jax.jit(jax.vmap(lambda k: init_state(k, model, optimizer)))(init_keys)
-    else:
-        one_chunk, one_eval = jax.jit(chunk, donate_argnums=(0,)), jax.jit(eval_fn)
-        unstack = lambda tree: [jax.tree.map(lambda x: x[i], tree) for i in range(len(seeds))]
-        stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
-        chunk_fn = lambda states, ks: stack([one_chunk(s, k) for s, k in zip(unstack(states), ks)])
-        eval_all = lambda params: stack([one_eval(p) for p in unstack(params)])
-        init_one = jax.jit(lambda k: init_state(k, model, optimizer))
-        state = stack([init_one(k) for k in init_keys])
-
-    train_seconds = 0.0
-    curve = {"step": [], "loss": [], "accuracy": []}
-    evals: dict[str, list] = {"step": []}
-    consecutive = 0
-    step = 0
-    for call in range(cfg.num_steps // cfg.steps_per_call):
-        t0 = time.perf_counter()
-        state, metrics = chunk_fn(state, run_keys)
-        loss = np.asarray(metrics["loss"])  # (seeds, steps_per_call); waits for the call
-        if call > 0:
-            train_seconds += time.perf_counter() - t0
-        if not np.all(np.isfinite(loss)):
-            seed_idx, offset = np.argwhere(~np.isfinite(loss))[0]
-            raise RuntimeError(
-                f"non-finite loss {loss[seed_idx, offset]} at step {step + offset} (seed {seeds[seed_idx]})"
-            )
-        step += cfg.steps_per_call
-        report = {"step": step, "loss": float(loss.mean()), "accuracy": float(np.mean(metrics["accuracy"]))}
-        curve["step"].append(step)
-        curve["loss"].append(loss.mean(-1))
-        curve["accuracy"].append(np.asarray(metrics["accuracy"]).mean(-1))
-        if step % cfg.eval_every == 0 or step == cfg.num_steps:
-            result = jax.tree.map(np.asarray, eval_all(state.params))
-            evals["step"].append(step)
-            for name, value in result.items():
-                evals.setdefault(name, []).append(value)
-            report["eval"] = result
-            solved = np.all(result["exact_accuracy"] >= cfg.target_accuracy)
-            consecutive = consecutive + 1 if solved else 0
+    fingerprint = {"model": dataclasses.asdict(model_cfg), "task": task_to_dict(task),
+                   "train": dataclasses.asdict(cfg), "seeds": seeds}
+    target = abstract_state(model, optimizer, len(seeds))
+    state, history = _start(programs, keys[:, 0], state_file, fingerprint, target)
+    resumed_from, wall_before, calls = history["step"], history["wall_seconds"], 0
+    while history["step"] < cfg.num_steps and history["stop_reason"] is None:
+        state, report = _advance(programs, state, keys[:, 1], history, seeds, timed=calls > 0)
+        calls += 1
+        if history["step"] % cfg.eval_every == 0 or history["step"] == cfg.num_steps:
+            report["eval"] = _evaluate(programs, state, history, cfg, task)
+            history["wall_seconds"] = wall_before + time.perf_counter() - start
+            if state_file is not None:
+                save_train_state(state_file, state, history)
+        if history["stop_reason"] is not None or history["step"] >= cfg.num_steps:
+            report["stopped"] = history["stop_reason"] or "step limit"
         if callback is not None:
             callback(report)
-        if cfg.early_stop and consecutive >= cfg.early_stop_evals:
-            break
-
-    # Stack eval metrics to (seeds, E, …) and curves to (seeds, C).
-    stacked = {"step": np.asarray(evals.pop("step"))}
-    stacked.update({name: np.stack(vals, axis=1) for name, vals in evals.items()})
-    curve_arr = {"step": np.asarray(curve["step"]), "loss": np.stack(curve["loss"], 1), "accuracy": np.stack(curve["accuracy"], 1)}
-    hit = stacked["token_accuracy"] >= cfg.target_accuracy  # (seeds, E)
-    steps_to_target = [int(stacked["step"][row.argmax()]) if row.any() else None for row in hit]
-    trained_calls = step // cfg.steps_per_call - 1
-    tokens = trained_calls * cfg.steps_per_call * cfg.batch_size * task.seq_len * len(seeds)
-    return SeedsResult(
-        seeds=seeds, state=state, curve=curve_arr, evals=stacked, steps_to_target=steps_to_target,
-        steps_run=step, wall_seconds=time.perf_counter() - start, train_seconds=train_seconds,
-        tokens_per_second=tokens / train_seconds if train_seconds > 0 else float("nan"),
-    )
+    history["wall_seconds"] = wall_before + time.perf_counter() - start
+    return _result(seeds, state, history, cfg, task, resumed_from)

@@ -196,6 +196,32 @@ def test_bad_shapes_raise(setup):
         analysis.prune_heads_iteratively(params, model, batch, order="random")
     with pytest.raises(ValueError, match="heads_per_step must be >= 1, got 0"):
         analysis.prune_heads_iteratively(params, model, batch, heads_per_step=0)
+    for bad in (5.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match=r"max_drop must be in \[0, 1\]"):
+            analysis.prune_heads_iteratively(params, model, batch, max_drop=bad)
+    with pytest.raises(ValueError, match="criterion must be one of"):
+        analysis.prune_heads_iteratively(params, model, batch, criterion="bpc")
+
+
+def test_nan_scores_stop_pruning_with_an_error(setup):
+    """A model whose losses are NaN cannot be ranked: a clear error, not a loop forever."""
+    model, params, batch = setup
+    broken = dict(params, logits=jax.tree.map(lambda x: x * jnp.nan, params["logits"]))
+    for order in analysis.ORDERS:
+        with pytest.raises(FloatingPointError, match=r"not finite for \(layer, head\) \[\(0, 0\)"):
+            analysis.prune_heads_iteratively(broken, model, batch, order=order)
+
+
+def test_loss_criterion_bounds_the_relative_loss_rise(setup):
+    model, params, batch = setup
+    result = analysis.prune_heads_iteratively(params, model, batch, criterion="loss", max_drop=0.05, run_to_end=True)
+    base = result.steps[0].loss
+    for step in result.steps:
+        assert step.within_rule == (step.loss <= base * 1.05)
+    k = result.heads_prunable
+    assert all(s.within_rule for s in result.steps[: k + 1]) and result.criterion == "loss"
+    if k < result.total_heads:
+        assert not result.steps[k + 1].within_rule
 
 
 # ----------------------------------------------------------------- pruning

@@ -1,18 +1,25 @@
-"""Tests for `jax_mha.checkpoint`: an exact round trip, and a `ValueError` naming the
-file for every way a checkpoint can be unusable."""
+"""Tests for `jax_mha.checkpoint`: exact round trips (models and training states), a
+`ValueError` naming the file for every way a checkpoint can be unusable (including a
+single flipped byte), and atomic writes that survive Ctrl-C and leave no temporary
+files."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import signal
+import time
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import serialization
 
-from jax_mha.checkpoint import FORMAT, load_checkpoint, save_checkpoint
+from jax_mha import checkpoint
+from jax_mha.checkpoint import FORMAT, load_checkpoint, load_train_state, save_checkpoint, save_train_state, write_atomic
 from jax_mha.data import CopyTaskConfig
 from jax_mha.models import CopyTransformer, ModelConfig
 
@@ -70,11 +77,65 @@ def test_corrupt_file(saved, damage):
         load_checkpoint(saved)
 
 
-def test_other_msgpack_is_rejected(tmp_path):
+def test_one_flipped_byte_fails_the_checksum(saved):
+    data = bytearray(saved.read_bytes())
+    data[len(data) // 2] ^= 0x01  # inside the parameters: still valid msgpack, wrong values
+    saved.write_bytes(bytes(data))
+    with raises_naming(saved, "damaged: its checksum does not match"):
+        load_checkpoint(saved)
+
+
+@pytest.mark.parametrize("payload", [{"format": "something-else", "params": {}},
+                                     {"format": "jax_mha-checkpoint-v1", "params": {}}])
+def test_other_msgpack_is_rejected(tmp_path, payload):
     path = tmp_path / "other.msgpack"
-    path.write_bytes(serialization.msgpack_serialize({"format": "something-else", "params": {}}))
-    with raises_naming(path, f"not a {FORMAT} checkpoint"):
+    path.write_bytes(serialization.msgpack_serialize(payload))
+    with raises_naming(path, f"not a {FORMAT} file"):
         load_checkpoint(path)
+
+
+def test_train_state_round_trip_and_kind_check(tmp_path, saved, params):
+    path = tmp_path / "state.msgpack"
+    state = {"step": np.int32(7), "params": params, "mu": [np.arange(3.0), np.ones((2, 5))]}
+    history = {"curve": {"loss": [np.float32(1.5), np.float32(0.5)]}, "stop_reason": None, "step": 7}
+    save_train_state(path, state, history)
+    restored, meta = load_train_state(path, jax.tree.map(np.zeros_like, state))
+    chex.assert_trees_all_equal(restored, state)
+    assert meta["step"] == 7 and meta["stop_reason"] is None and len(meta["curve"]["loss"]) == 2
+    with raises_naming(path, "does not match the run being resumed", "missing"):
+        load_train_state(path, {"step": np.int32(0)} | {"other": np.zeros(2)})
+    with raises_naming(path, "holds a 'train_state', not a 'model'"):
+        load_checkpoint(path)
+    with raises_naming(saved, "holds a 'model', not a 'train_state'"):
+        load_train_state(saved, state)
+
+
+def test_ctrl_c_during_a_write_is_held_until_the_file_is_complete(tmp_path, monkeypatch):
+    """SIGINT arriving mid-write: the file is still written whole, then
+    KeyboardInterrupt is raised; no temporary file is left."""
+    path = tmp_path / "results.json"
+    real_replace = os.replace
+
+    def interrupted_replace(src, dst):
+        os.kill(os.getpid(), signal.SIGINT)  # delivered while the write is in progress
+        time.sleep(0.01)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", interrupted_replace)
+    with pytest.raises(KeyboardInterrupt):
+        write_atomic(path, "complete\n")
+    assert path.read_text() == "complete\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+
+
+def test_stale_temporary_files_are_removed(tmp_path):
+    path = tmp_path / "model.msgpack"
+    stale = tmp_path / ".model.msgpack.abc123.tmp"  # left by a writer that was SIGKILLed
+    stale.write_bytes(b"")
+    old = time.time() - 2 * checkpoint.STALE_TMP_SECONDS
+    os.utime(stale, (old, old))
+    write_atomic(path, b"new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.msgpack"]
 
 
 def test_mismatched_config_names_the_fields(saved):
@@ -93,8 +154,8 @@ def test_parameters_that_do_not_fit_their_config(tmp_path, params):
 
 def test_unusable_config(tmp_path, params):
     path = tmp_path / "badconfig.msgpack"
-    payload = {"format": FORMAT, "model_config": {"d_model": 15, "num_heads": 4}, "metadata": {},
+    payload = {"kind": "model", "model_config": {"d_model": 15, "num_heads": 4}, "metadata": {},
                "params": jax.tree.map(np.asarray, params)}
-    path.write_bytes(serialization.msgpack_serialize(payload))
+    path.write_bytes(checkpoint._pack(payload))
     with raises_naming(path, "model_config"):
         load_checkpoint(path)

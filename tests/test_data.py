@@ -72,3 +72,47 @@ def test_config_errors_and_chance():
         CopyTaskConfig(length=0)
     # L=9 symbols at 1/10 each plus a free EOS, over 10 scored tokens.
     assert chance_accuracy(CopyTaskConfig(length=9)) == pytest.approx((0.9 + 1) / 10)
+
+
+def test_task_interface_and_round_trip():
+    from jax_mha.data import TASKS, task_from_dict, task_to_dict
+
+    cfg = CopyTaskConfig(length=5, min_length=2, num_symbols=7, reverse=True)
+    chex.assert_trees_all_equal(cfg.batch(jax.random.PRNGKey(4), 3), make_batch(jax.random.PRNGKey(4), cfg, 3))
+    data = task_to_dict(cfg)
+    assert data == {"name": "copy", "length": 5, "min_length": 2, "num_symbols": 7, "reverse": True}
+    assert task_from_dict(data) == cfg and TASKS["copy"] is CopyTaskConfig
+    assert task_from_dict({"length": 5}) == CopyTaskConfig(length=5)  # files without a name are copy tasks
+    with pytest.raises(ValueError, match="unknown task 'lm'"):
+        task_from_dict({"name": "lm"})
+    with pytest.raises(ValueError, match="cannot be built"):
+        task_from_dict({"name": "copy", "width": 3})
+
+
+def test_exact_accuracy_counts_whole_sequences():
+    """A model that knows the answer decodes every sequence; one that is wrong at a
+    single scored position of a sequence loses that whole sequence."""
+    cfg = CopyTaskConfig(length=4, num_symbols=5)
+    batch = make_batch(jax.random.PRNGKey(6), cfg, 7)
+    vocab = cfg.vocab_size
+
+    def oracle(tokens, wrong_row=None):
+        # Knows every scored target; optionally wrong once in one row.
+        answer = jnp.where(batch["scored"], batch["targets"], 0)
+        if wrong_row is not None:
+            answer = answer.at[wrong_row, -2].set(FIRST_SYMBOL + (answer[wrong_row, -2] - FIRST_SYMBOL + 1) % 5)
+        return jax.nn.one_hot(answer, vocab) * 10.0
+
+    perfect = cfg.eval_metrics(oracle, None, batch)["exact_accuracy"]
+    assert float(perfect) == 1.0
+    one_wrong = cfg.eval_metrics(lambda t: oracle(t, wrong_row=2), None, batch)["exact_accuracy"]
+    assert float(one_wrong) == pytest.approx(6 / 7)
+
+
+def test_bad_sizes():
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        make_batch(jax.random.PRNGKey(0), CopyTaskConfig(), 0)
+    with pytest.raises(TypeError, match="length must be an int"):
+        CopyTaskConfig(length=2.5)
+    with pytest.raises(ValueError, match="num_symbols=1"):
+        CopyTaskConfig(num_symbols=1)

@@ -1,19 +1,21 @@
-"""End-to-end runs of the analysis experiments on tiny configurations, each into its
-own temporary folder through its `main(argv)`: valid JSON, readable PNGs, and the
-numbers the JSON promises."""
+"""End-to-end runs of the analysis studies on tiny configurations, each into its own
+temporary folder through its `main(argv)`: valid JSON, readable PNGs, the numbers the
+JSON promises, and the first line that names the analysed model and why.
+(tests/test_experiments.py runs them on the checkpoints of a real ablation run.)"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from experiments import attention_maps, head_pruning, head_timing, param_count
+from experiments import attention_maps, common, head_pruning, head_timing, param_count
 from jax_mha.checkpoint import load_checkpoint, save_checkpoint
+from jax_mha.data import task_to_dict
 from jax_mha.models import CopyTransformer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -33,12 +35,13 @@ def read_outputs(out, pngs):
 
 
 @pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
+def random_checkpoint(tmp_path_factory):
     """A random-init model of the tiny preset, saved as the ablation would save it."""
-    cfg = head_pruning.tiny()
-    params = jax.jit(CopyTransformer(cfg.model).init)(jax.random.PRNGKey(0), jnp.zeros((1, cfg.task.seq_len), jnp.int32))["params"]
-    path = tmp_path_factory.mktemp("ckpt") / "h3_seed0.msgpack"
-    save_checkpoint(path, params, cfg.model, {"task": dataclasses.asdict(cfg.task), "heads": 3, "seed": 0})
+    spec = common.PRESETS["tiny"]()
+    model_cfg = spec.model_for(4)
+    params = jax.jit(CopyTransformer(model_cfg).init)(jax.random.PRNGKey(0), jnp.zeros((1, spec.task.seq_len), jnp.int32))
+    path = tmp_path_factory.mktemp("ckpt") / "h4_seed0.msgpack"
+    save_checkpoint(path, params["params"], model_cfg, {"task": task_to_dict(spec.task), "heads": 4, "seed": 0})
     return path
 
 
@@ -51,56 +54,43 @@ def test_help_explains_options(module, capsys):
     assert "--out" in text and "output folder" in text
 
 
-def test_head_pruning_trains_when_no_checkpoint(tmp_path):
-    out = tmp_path / "pruning"
-    head_pruning.main(["--preset", "tiny", "--out", str(out), "--no-progress"])
-    results = read_outputs(out, ["pruning_curves.png", "importance_heatmap.png"])
-    assert results["source"]["kind"] == "trained"
-    params, config, metadata = load_checkpoint(out / "checkpoints" / "h3_seed0.msgpack")
-    assert config.num_heads == 3 and metadata["heads"] == 3
-    total = results["total_heads"]
-    assert total == 6 and np.asarray(results["importance"]).shape == (2, 3)
-    for order in ("importance", "oracle"):
-        record = results["pruning"][order]
-        pruned = [s["num_pruned"] for s in record["steps"]]
-        assert pruned == list(range(total + 1))  # run to the end, one head per step
-        k = results["heads_prunable"][order]
-        assert k == record["heads_prunable"] and 0 <= k <= total
-        # Within the 1-point rule up to k heads, out of it at the step after (if any).
-        assert all(s["accuracy"] >= record["base_accuracy"] - 0.01 for s in record["steps"][: k + 1])
-        if k < total:
-            assert record["steps"][k + 1]["accuracy"] < record["base_accuracy"] - 0.01
-    assert 0.0 <= results["all_heads_off_accuracy"] <= 1.0
-    assert results["chance_accuracy"] == pytest.approx((5 / 7 + 1) / 6)
+def test_pruning_skips_a_checkpoint_of_another_model_and_trains(tmp_path, monkeypatch, capsys):
+    """A checkpoint at the preset's path whose config is not the preset's is not
+    analysed silently: a line says so, and the preset's model is trained instead."""
+    monkeypatch.chdir(tmp_path)
+    spec = common.PRESETS["tiny"]()
+    other = dataclasses.replace(spec.model_for(4), d_model=12)
+    params = jax.jit(CopyTransformer(other).init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    stale = Path("results/head_ablation/tiny/checkpoints/h4_seed0.msgpack")
+    save_checkpoint(stale, params, other, {"task": task_to_dict(spec.task)})
+    results = head_pruning.main(["--preset", "tiny", "--train-steps", "25", "--no-progress"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"skipping {stale}: it is a 1 layer x 4 heads, d_model=12")
+    assert lines[1].startswith("model: training the --preset tiny model with 4 heads, seed 0")
+    assert results["source"]["kind"] == "trained" and results["source"]["steps_run"] == 25
+    _, config, metadata = load_checkpoint("results/head_pruning/tiny/checkpoints/h4_seed0.msgpack")
+    assert config == spec.model_for(4) and metadata["heads"] == 4
+    assert results["chance_accuracy"] == pytest.approx((3 / 5 + 1) / 4)
 
 
-def test_head_pruning_from_checkpoint(tmp_path, tiny_checkpoint):
+def test_head_pruning_from_given_checkpoint(tmp_path, random_checkpoint, capsys):
     out = tmp_path / "pruning_ckpt"
-    results = head_pruning.main(["--preset", "tiny", "--checkpoint", str(tiny_checkpoint), "--out", str(out),
+    results = head_pruning.main(["--preset", "tiny", "--checkpoint", str(random_checkpoint), "--out", str(out),
                                  "--no-progress", "--max-drop", "0.5", "--heads-per-step", "2"])
+    assert capsys.readouterr().out.startswith(f"model: {random_checkpoint}, given by --checkpoint")
     on_disk = read_outputs(out, ["pruning_curves.png", "importance_heatmap.png"])
-    assert on_disk["source"] == {"kind": "checkpoint", "path": str(tiny_checkpoint), "metadata": results["source"]["metadata"]}
-    assert [s["num_pruned"] for s in on_disk["pruning"]["importance"]["steps"]] == [0, 2, 4, 6]
+    assert on_disk["source"]["path"] == str(random_checkpoint) == results["source"]["path"]
+    assert [s["num_pruned"] for s in on_disk["pruning"]["importance"]["steps"]] == [0, 2, 4]
     assert not (out / "checkpoints").exists()
 
 
-def test_head_pruning_bad_checkpoint_names_the_file(tmp_path):
-    bad = tmp_path / "broken.msgpack"
-    bad.write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="broken.msgpack"):
-        head_pruning.main(["--preset", "tiny", "--checkpoint", str(bad), "--out", str(tmp_path / "o"), "--no-progress"])
-
-
-def test_attention_maps(tmp_path, tiny_checkpoint):
+def test_attention_maps_untrained(tmp_path, capsys):
     out = tmp_path / "maps"
-    attention_maps.main(["--preset", "tiny", "--checkpoint", str(tiny_checkpoint), "--out", str(out),
-                         "--stats-size", "23", "--example", "3", "--no-progress"])
-    results = read_outputs(out, ["layer0.png", "layer1.png", "offset_profile.png"])
-    at_l = np.asarray(results["weight_at_offset_L"])
-    assert at_l.shape == (2, 3) and np.all((0 <= at_l) & (at_l <= 1))
-    r = results["retrieval_head"]
-    assert at_l[r["layer"], r["head"]] == pytest.approx(at_l.max())
-    assert len(results["example_tokens"]) == 12
+    results = attention_maps.main(["--preset", "tiny", "--untrained", "--seed", "4", "--out", str(out),
+                                   "--stats-size", "23", "--example", "3"])
+    assert capsys.readouterr().out.startswith("model: untrained, the --preset tiny model with 4 heads initialised from seed 4")
+    on_disk = read_outputs(out, ["layer0.png", "offset_profile.png"])
+    assert on_disk["source"]["kind"] == "untrained" and len(results["example_tokens"]) == 8
 
 
 def test_param_count(tmp_path):
@@ -131,8 +121,3 @@ def test_head_timing(tmp_path):
         assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0
         assert r["gflops_fwd"] == pytest.approx((8 * 2 * 7 * 15**2 + 4 * 2 * 7**2 * 15) / 1e9)
         assert r["gflops_fwd_bwd"] == pytest.approx(3 * r["gflops_fwd"])
-
-
-def test_head_timing_rejects_indivisible_heads(tmp_path):
-    with pytest.raises(SystemExit, match="d_model=15 is not divisible by num_heads=4"):
-        head_timing.main(["--heads", "4", "--d-model", "15", "--out", str(tmp_path)])

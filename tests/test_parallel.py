@@ -1,4 +1,4 @@
-"""Tests for `jax_mha.parallel`.
+"""Tests for `jax_mha.parallel` (shardings) and the trainer's sharded jit.
 
 The multi-device checks need several devices, which a CPU host only provides when
 `XLA_FLAGS=--xla_force_host_platform_device_count=4` is set *before* jax starts; the
@@ -170,8 +170,6 @@ def test_sharded_train_steps_match_single_device(multi_device):
 
 def test_heads_stay_local(multi_device):
     # Megatron layout: weights are never gathered; heads are combined by all-reduces.
-    # This holds with the plain path looping over blocks of queries (forced here).
-    assert multi_device["query_blocked"]
     assert multi_device["collectives"]["all-gather"] == 0
     assert multi_device["collectives"]["all-reduce"] > 0
 
@@ -192,13 +190,8 @@ def _worker() -> dict:
     from jax_mha import parallel
     from jax_mha.data import CopyTaskConfig, make_batch
     from jax_mha.models import CopyTransformer, ModelConfig
-    from jax_mha.train import TrainConfig, init_state, make_optimizer, make_train_step, scored_loss
+    from jax_mha.train import TrainConfig, init_state, jit_train_chunk, jit_train_step, make_optimizer, scored_loss
 
-    from jax_mha import functional
-
-    # A budget of 2 query rows: the plain path's gradient then runs its loop over query
-    # blocks (what N >= 512 takes), which must keep the batch and head shardings too.
-    functional.XLA_CHUNK_SCORE_BYTES = 2 * BATCH * HEADS * (2 * LENGTH + 2) * 4
     out: dict = {"num_devices": jax.device_count()}
     mesh = parallel.make_mesh(**parallel.parse_mesh_spec("data=2,model=2"))
     out["mesh_shape"] = dict(mesh.shape)
@@ -209,7 +202,7 @@ def _worker() -> dict:
     init = jax.jit(lambda key: init_state(key, model, opt))  # one compile, not one per initializer
     state = init(jax.random.PRNGKey(0))
     batch = make_batch(jax.random.PRNGKey(1), task, BATCH)
-    sharded = parallel.shard_train_state(state, mesh)
+    sharded = parallel.shard(state, mesh)
     sbatch = parallel.shard_batch(batch, mesh)
     shapes = lambda x: [list(s.data.shape) for s in x.addressable_shards]
     attn = sharded.params["block_0"]["attention"]
@@ -226,8 +219,6 @@ def _worker() -> dict:
         logits = model.apply({"params": params}, batch["inputs"])
         return scored_loss(logits, batch)[0], logits
 
-    blocked = jax.make_jaxpr(jax.grad(lambda p: loss_fn(p, batch)[0]))(state.params)
-    out["query_blocked"] = "scan" in str(blocked)  # the gradient loops over query blocks
     # Forward (logits) and gradient, single device vs. params and batch on the mesh.
     grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
     ((loss1, logits1), g1), ((loss4, logits4), g4) = grad(state.params, batch), grad(sharded.params, sbatch)
@@ -237,11 +228,11 @@ def _worker() -> dict:
         float(jnp.abs(a - b).max() / (jnp.abs(a).max() + 1e-12)) for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g4))
     )
 
-    ref_step = jax.jit(make_train_step(model, opt))
-    step = parallel.make_sharded_train_step(model, opt, mesh)
-    hlo = step.jitted.lower(sharded, batch, jax.random.PRNGKey(0)).compile().as_text()
+    ref_step = jit_train_step(model, opt)
+    step = jit_train_step(model, opt, mesh=mesh)  # the trainer's one jit, with parallel's shardings
+    hlo = step.lower(sharded, batch, jax.random.PRNGKey(0)).compile().as_text()
     out["collectives"] = {op: len(re.findall(rf"\b{op}(-start)?\(", hlo)) for op in ("all-gather", "all-reduce")}
-    ref, diffs = state, []
+    ref, diffs = jax.tree.map(jnp.copy, state), []
     for t in range(3):
         rng = jax.random.PRNGKey(10 + t)
         ref, m1 = ref_step(ref, batch, rng)
@@ -253,13 +244,13 @@ def _worker() -> dict:
     )
     out["state_spec_after_step"] = list(sharded.params["block_0"]["attention"]["key"]["kernel"].sharding.spec)
 
-    # A seed-stacked sharded chunk of 1 step against the (already compiled) reference
-    # step fed the batch and dropout key that train.make_train_chunk would use.
+    # A seed-stacked sharded chunk of 1 step against the reference step fed the batch
+    # and dropout key that train.make_train_chunk uses.
     seeds = [init(jax.random.PRNGKey(3)), init(jax.random.PRNGKey(4))]
     keys = jax.random.split(jax.random.PRNGKey(5), 2)
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *seeds)
-    chunk = parallel.make_sharded_train_chunk(model, opt, task, BATCH, 1, mesh, num_seeds=2)
-    _, chunk_metrics = chunk(parallel.shard_train_state(stacked, mesh), keys)
+    chunk = jit_train_chunk(model, opt, task, BATCH, 1, num_seeds=2, mesh=mesh)
+    _, chunk_metrics = chunk(parallel.shard(stacked, mesh), keys)
     chunk_diffs = []
     for i, seed_state in enumerate(seeds):
         data_key, dropout_key = jax.random.split(keys[i])
@@ -269,13 +260,13 @@ def _worker() -> dict:
     out["chunk_loss_max_diff"] = max(chunk_diffs)
 
     try:
-        parallel.make_sharded_train_step(
-            CopyTransformer(ModelConfig(d_model=30, num_heads=6, d_ff=D_FF, num_layers=1, max_len=16)), opt, parallel.make_mesh(model=4)
-        )
+        jit_train_step(CopyTransformer(ModelConfig(d_model=30, num_heads=6, d_ff=D_FF, num_layers=1, max_len=16)), opt,
+                       mesh=parallel.make_mesh(model=4))
     except ValueError as e:
         out["heads_error"] = str(e)
     try:
-        parallel.make_sharded_train_step(model, opt, parallel.make_mesh(data=4))(state, batch, jax.random.PRNGKey(0))
+        jit_train_step(model, opt, mesh=parallel.make_mesh(data=4))(parallel.shard(state, parallel.make_mesh(data=4)),
+                                                                   batch, jax.random.PRNGKey(0))
     except ValueError as e:
         out["batch_error"] = str(e)
     return out

@@ -1,7 +1,9 @@
 """Training loop: one step learns, a tiny model solves the copy task (and needs attention
-to), vmap over seeds equals separate runs, non-finite losses stop at once."""
+to), vmap over seeds equals separate runs, an interrupted run resumes exactly,
+non-finite losses stop at once, and every bad configuration is a ValueError."""
 
 import dataclasses
+import math
 
 import chex
 import jax
@@ -9,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_mha.data import CopyTaskConfig, chance_accuracy, make_batch
+from jax_mha.checkpoint import save_train_state
+from jax_mha.data import CopyTaskConfig, chance_accuracy, greedy_decode, make_batch
 from jax_mha.models import CopyTransformer, ModelConfig
 from jax_mha.train import (
     TrainConfig,
     evaluate,
-    greedy_decode,
     init_state,
     jit_train_step,
     make_optimizer,
@@ -76,8 +78,9 @@ def test_attention_is_needed(trained):
     _, params = trained
     model = CopyTransformer(MODEL)
     batch = make_batch(jax.random.PRNGKey(77), TASK, 256)
-    on = evaluate(params, model, batch)
-    off = evaluate(params, model, batch, head_mask=jnp.zeros((MODEL.num_layers, MODEL.num_heads)))
+    evaluate_jit = jax.jit(evaluate, static_argnums=(1, 2))  # one compilation for both gate settings
+    on = evaluate_jit(params, model, TASK, batch, jnp.ones((MODEL.num_layers, MODEL.num_heads)))
+    off = evaluate_jit(params, model, TASK, batch, jnp.zeros((MODEL.num_layers, MODEL.num_heads)))
     assert float(on["token_accuracy"]) >= 0.95
     assert float(off["token_accuracy"]) <= chance_accuracy(TASK) + 0.05, float(off["token_accuracy"])
     assert float(off["exact_accuracy"]) < 0.01
@@ -87,7 +90,7 @@ def test_greedy_decode_matches_teacher_forcing_when_perfect(trained):
     _, params = trained
     model = CopyTransformer(MODEL)
     batch = make_batch(jax.random.PRNGKey(8), TASK, 64)
-    decoded = greedy_decode(params, model, batch)
+    decoded = greedy_decode(lambda tokens: model.apply({"params": params}, tokens), batch)
     teacher = jnp.argmax(model.apply({"params": params}, batch["inputs"]), -1)
     scored = np.asarray(batch["scored"])
     # Wherever teacher forcing is right on a whole sequence, greedy decoding is identical.
@@ -99,7 +102,7 @@ def test_greedy_decode_matches_teacher_forcing_when_perfect(trained):
 
 def test_evaluate_attention_statistics(trained):
     _, params = trained
-    metrics = evaluate(params, CopyTransformer(MODEL), make_batch(jax.random.PRNGKey(9), TASK, 32))
+    metrics = evaluate(params, CopyTransformer(MODEL), TASK, make_batch(jax.random.PRNGKey(9), TASK, 32))
     for name in ("entropy", "entropy_normalized", "confidence"):
         chex.assert_shape(metrics[name], (MODEL.num_layers, MODEL.num_heads))
     assert np.all((metrics["entropy_normalized"] >= 0) & (metrics["entropy_normalized"] <= 1 + 1e-5))
@@ -108,32 +111,102 @@ def test_evaluate_attention_statistics(trained):
     assert float(metrics["confidence"].max()) > 0.5
 
 
-def test_vmap_over_seeds_equals_separate_runs():
-    cfg = dataclasses.replace(TRAIN, num_steps=100, eval_every=50, early_stop=False)
-    both = train_seeds(MODEL, TASK, cfg, [3, 5])
-    for i, seed in enumerate([3, 5]):
-        alone = train_seeds(MODEL, TASK, cfg, [seed])
-        np.testing.assert_allclose(both.curve["loss"][i], alone.curve["loss"][0], rtol=1e-4)
-        chex.assert_trees_all_close(
-            jax.tree.map(lambda x: x[i], both.state.params), jax.tree.map(lambda x: x[0], alone.state.params),
-            rtol=1e-3, atol=1e-5,
-        )
-    # Different seeds really differ.
-    assert not np.allclose(both.curve["loss"][0], both.curve["loss"][1])
-    looped = train_seeds(MODEL, TASK, cfg, [3, 5], use_vmap=False)
-    np.testing.assert_allclose(both.curve["loss"], looped.curve["loss"], rtol=1e-4)
+SMALL = dataclasses.replace(MODEL, num_layers=1, d_model=16)  # compiles faster: the runs below are about the loop
+SHORT = dataclasses.replace(TRAIN, num_steps=100, eval_every=50, early_stop=False)
+
+
+@pytest.fixture(scope="module")
+def two_seeds():
+    """Seeds 3 and 5 trained together for 100 steps, evaluated at 50 and 100."""
+    return train_seeds(SMALL, TASK, SHORT, [3, 5])
+
+
+def test_vmap_over_seeds_equals_separate_runs(two_seeds):
+    looped = train_seeds(SMALL, TASK, SHORT, [3, 5], use_vmap=False)  # one program per seed, one after another
+    np.testing.assert_allclose(two_seeds.curve["loss"], looped.curve["loss"], rtol=1e-4)
+    chex.assert_trees_all_close(two_seeds.state.params, looped.state.params, rtol=1e-3, atol=1e-5)
+    assert not np.allclose(two_seeds.curve["loss"][0], two_seeds.curve["loss"][1])  # seeds really differ
+    assert two_seeds.stop_reason == "step limit" and two_seeds.steps_run == 100
+
+
+def test_interrupted_run_resumes_exactly(two_seeds, tmp_path):
+    """Stopped after its first save (step 50), the run continues from the state file
+    to the same curves, evaluations and parameters as the uninterrupted run."""
+    state_file = tmp_path / "state.msgpack"
+
+    def stop_after_first_save(report):
+        if "eval" in report:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_seeds(SMALL, TASK, SHORT, [3, 5], state_file=state_file, callback=stop_after_first_save)
+    resumed = train_seeds(SMALL, TASK, SHORT, [3, 5], state_file=state_file)
+    assert resumed.resumed_from == 50 and resumed.steps_run == 100
+    np.testing.assert_allclose(resumed.curve["loss"], two_seeds.curve["loss"], rtol=1e-5)
+    np.testing.assert_array_equal(resumed.evals["step"], [50, 100])
+    np.testing.assert_allclose(resumed.evals["token_accuracy"], two_seeds.evals["token_accuracy"], atol=1e-6)
+    chex.assert_trees_all_close(resumed.state.params, two_seeds.state.params, rtol=1e-4, atol=1e-6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.msgpack"]  # no temporary files left
+    with pytest.raises(ValueError, match=r"state.msgpack was saved by another run \(it differs in \['seeds'\]\)"):
+        train_seeds(SMALL, TASK, SHORT, [3, 6], state_file=state_file)
+
+
+def test_early_stop_says_why(trained):
+    result, _ = trained
+    assert result.stop_reason == "target reached" and result.steps_run < TRAIN.num_steps
 
 
 def test_non_finite_loss_raises_with_step():
-    cfg = dataclasses.replace(TRAIN, num_steps=50, learning_rate=float("nan"), warmup_steps=0)
-    with pytest.raises(RuntimeError, match="non-finite loss nan at step 1 \\(seed 0\\)"):
-        train_seeds(MODEL, TASK, cfg, [0])
+    cfg = dataclasses.replace(TRAIN, num_steps=50, learning_rate=1e30, warmup_steps=0)
+    with pytest.raises(RuntimeError, match=r"non-finite loss (nan|inf) at step \d+ \(seed 0\)"):
+        train_seeds(SMALL, TASK, cfg, [0])
 
 
-def test_config_errors():
-    with pytest.raises(ValueError, match="eval_every=70 must be a multiple of steps_per_call=50"):
-        TrainConfig(eval_every=70, steps_per_call=50)
-    with pytest.raises(ValueError, match="num_steps=120 must be a multiple of steps_per_call=50"):
-        train_seeds(MODEL, TASK, dataclasses.replace(TRAIN, num_steps=120), [0])
-    with pytest.raises(ValueError, match="d_model=30 is not divisible by num_heads=4"):
-        ModelConfig(d_model=30, num_heads=4)
+@pytest.mark.parametrize("field, value, match", [
+    ("batch_size", 0, "batch_size must be >= 1"),
+    ("eval_every", 0, "eval_every must be >= 1"),
+    ("steps_per_call", 0, "steps_per_call must be >= 1"),
+    ("eval_size", -3, "eval_size must be >= 1"),
+    ("learning_rate", -0.01, "learning_rate must be a finite number > 0"),
+    ("learning_rate", math.nan, "learning_rate must be a finite number > 0"),
+    ("warmup_steps", -1, "warmup_steps must be >= 0"),
+    ("grad_clip_norm", 0.0, "grad_clip_norm must be a finite number > 0"),
+    ("weight_decay", -1.0, "weight_decay must be a finite number >= 0"),
+    ("end_lr_ratio", 1.5, r"end_lr_ratio must be in \[0, 1\]"),
+    ("target_accuracy", 1.5, r"target_accuracy must be in \(0, 1\]"),
+    ("target_accuracy", 0.0, r"target_accuracy must be in \(0, 1\]"),
+    ("eval_every", 70, "eval_every=70 must be a multiple of steps_per_call=50"),
+    ("num_steps", 75, "num_steps=75 must be a multiple of steps_per_call=50"),
+])
+def test_train_config_rejects(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("num_layers", -1, "num_layers must be >= 1"),
+    ("d_model", 0, "d_model must be >= 1"),
+    ("num_heads", 0, "num_heads must be >= 1"),
+    ("dropout_rate", 1.5, r"dropout_rate must be in \[0, 1\)"),
+    ("dropout_rate", math.nan, r"dropout_rate must be in \[0, 1\)"),
+    ("d_model", 30, "d_model=30 is not divisible by num_heads=8"),
+    ("positional", "rotary", "positional must be one of"),
+    ("implementation", "fast", "implementation"),
+])
+def test_model_config_rejects(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**{field: value})
+
+
+def test_model_and_task_must_fit():
+    with pytest.raises(ValueError, match="does not fit the copy task"):
+        train_seeds(dataclasses.replace(SMALL, max_len=5), TASK, SHORT, [0])
+    with pytest.raises(ValueError, match="distinct"):
+        train_seeds(SMALL, TASK, SHORT, [1, 1])
+
+
+def test_state_file_from_elsewhere_is_refused(tmp_path):
+    state_file = tmp_path / "other.msgpack"
+    save_train_state(state_file, {"w": np.zeros(3)}, {"fingerprint": {}})
+    with pytest.raises(ValueError, match="other.msgpack does not match the run being resumed"):
+        train_seeds(SMALL, TASK, SHORT, [0], state_file=state_file)
