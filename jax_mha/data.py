@@ -2,15 +2,20 @@
 
 A task is a small frozen config with three duties (the `Task` protocol):
 
-* `batch(key, batch_size)` samples a batch, jittable: int `inputs (B, T)`, int
-  `targets (B, T)` (the next tokens) and bool `scored (B, T)` (where the loss counts);
+* `batch(key, batch_size)` samples a training batch, jittable: int `inputs (B, T)`,
+  int `targets (B, T)` (the next tokens) and bool `scored (B, T)` (where the loss counts);
+* `eval_batch(key, batch_size)` the held-out batch the trainer evaluates on (the copy
+  task: fresh sequences from the evaluation key; the language model: windows of its
+  validation split);
 * `eval_metrics(logits_fn, logits, batch)` adds the task's own held-out metrics to
   the generic ones (loss, token accuracy, attention statistics);
 * `stop_metric` names the metric early stopping watches (None: never stop early).
 
 Every task shares that batch layout, so one trainer, one loss (`train.scored_loss`)
 and one analysis serve them all; a new task (e.g. a character language model) is a
-new config class registered in `TASKS`.
+new config class registered in `TASKS`. Registered: "copy" (below) and "lm", the
+character language model of `jax_mha.text.TextTaskConfig` (no early stopping: its
+`stop_metric` is None; its held-out metric is validation bits per character, `bpc`).
 
 The delayed copy task (Katharopoulos et al. 2020; Jelassi et al. 2024): a sequence
 is `BOS x1 … xL SEP x1 … xL EOS` (then PAD up to the longest L). A decoder reads it
@@ -27,6 +32,8 @@ from typing import Any, Callable, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
+
+from jax_mha.text import TextTaskConfig
 
 PAD, BOS, SEP, EOS = 0, 1, 2, 3
 FIRST_SYMBOL = 4  # content symbols are FIRST_SYMBOL … FIRST_SYMBOL + num_symbols - 1
@@ -49,6 +56,8 @@ class Task(Protocol):
         """T, the length of `inputs` (what the model reads)."""
 
     def batch(self, key: jax.Array, batch_size: int) -> Batch: ...
+
+    def eval_batch(self, key: jax.Array, batch_size: int) -> Batch: ...
 
     def eval_metrics(self, logits_fn: LogitsFn, logits: jax.Array, batch: Batch) -> dict[str, jax.Array]: ...
 
@@ -88,6 +97,10 @@ class CopyTaskConfig:
         """`make_batch(key, self, batch_size)`."""
         return make_batch(key, self, batch_size)
 
+    def eval_batch(self, key: jax.Array, batch_size: int) -> Batch:
+        """Held-out sequences: the same distribution, from a key training never uses."""
+        return make_batch(key, self, batch_size)
+
     def eval_metrics(self, logits_fn: LogitsFn, logits: jax.Array, batch: Batch) -> dict[str, jax.Array]:
         """`exact_accuracy`: the fraction of sequences whose greedy, autoregressive
         decoding of the second copy and EOS is right at every scored position."""
@@ -97,7 +110,8 @@ class CopyTaskConfig:
         return {"exact_accuracy": exact.mean()}
 
 
-TASKS: dict[str, type] = {CopyTaskConfig.name: CopyTaskConfig}
+TASKS: dict[str, type] = {CopyTaskConfig.name: CopyTaskConfig, TextTaskConfig.name: TextTaskConfig}
+LMTaskConfig = TextTaskConfig  # the language-model task under its task name
 
 
 def task_to_dict(task: Task) -> dict[str, Any]:

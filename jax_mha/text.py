@@ -33,10 +33,12 @@ and `scored_loss` consume them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import zlib
 from pathlib import Path
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +49,17 @@ REFERENCE_SOURCE = "pydoc_data.topics"  # TextCorpus.source prefix of the defaul
 
 @dataclasses.dataclass(frozen=True)
 class TextTaskConfig:
-    """Which text and how long a window; hashable, so it can be a static jit argument."""
+    """Which text and how long a window; hashable, so it can be a static jit argument.
+
+    Also the character language-model task the trainer consumes (`jax_mha.data.Task`,
+    registered as "lm"): `batch` samples training windows, `eval_batch` takes evenly
+    spaced validation windows and `eval_metrics` reports validation bits per character
+    (`bpc`). Its corpus is loaded once per config and cached (`corpus`), never per step.
+    """
+
+    name: ClassVar[str] = "lm"
+    # No early stopping: a language model has no "solved" accuracy; it trains its budget.
+    stop_metric: ClassVar[str | None] = None
 
     seq_len: int = 128  # T, characters per window: ~2.5 lines of the reference (52 characters a line)
     validation_fraction: float = 0.1  # share of characters held out: 46,437 of the reference (22 of its 79 topics)
@@ -67,6 +79,57 @@ class TextTaskConfig:
     def min_split_chars(self) -> int:
         """Characters each split needs: one window of T inputs plus its last target."""
         return self.seq_len + 1
+
+    @property
+    def corpus(self) -> "TextCorpus":
+        """The corpus, loaded on first use and cached per config (`cached_corpus`)."""
+        return cached_corpus(self)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.corpus.vocab_size
+
+    def batch(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
+        """Random training windows, `make_text_batch` on `corpus.train`; jittable.
+
+        Inside jit the training ids become a constant of the program (4 bytes a
+        character: 1.7 MB for the reference), built once per compilation.
+        """
+        return make_text_batch(key, jnp.asarray(self.corpus.train), self, batch_size)
+
+    def eval_batch(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
+        """`batch_size` validation windows at evenly spaced offsets over the whole
+        validation split (every held-out topic is sampled); deterministic, `key` unused.
+
+        Returns:
+          int32 `inputs (B, T)`, int32 `targets (B, T)`, bool `scored (B, T)` (all True).
+        """
+        del key
+        _check_tokens(jnp.asarray(self.corpus.validation), self, batch_size, "validation")
+        tokens = np.asarray(self.corpus.validation)
+        t = self.seq_len
+        starts = np.linspace(0, tokens.shape[0] - t - 1, batch_size).round().astype(np.int64)
+        rows = np.stack([tokens[s : s + t + 1] for s in starts]).astype(np.int32)  # (B, T+1)
+        return {"inputs": jnp.asarray(rows[:, :-1]), "targets": jnp.asarray(rows[:, 1:]),
+                "scored": jnp.ones((batch_size, t), bool)}
+
+    def eval_metrics(self, logits_fn, logits: jax.Array, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """`bpc`: mean cross-entropy over scored characters in bits (teacher forced).
+
+        Args:
+          logits_fn: unused (bits per character need no decoding).
+          logits: float `(B, T, V)`; batch: `targets (B, T)`, `scored (B, T)`.
+        """
+        del logits_fn
+        return {"bpc": scored_nats(logits, batch) / math.log(2.0)}
+
+
+def scored_nats(logits: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
+    """Mean cross-entropy (nats) over scored positions: logits `(B, T, V)` -> scalar."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]  # (B, T)
+    weight = batch["scored"].astype(jnp.float32)
+    return (nll * weight).sum() / jnp.maximum(weight.sum(), 1.0)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -200,6 +263,12 @@ def corpus_from_file(path: str | Path, config: TextTaskConfig = TextTaskConfig()
 def load_corpus(config: TextTaskConfig = TextTaskConfig()) -> TextCorpus:
     """`config.text_file`'s corpus, or the Python Language Reference when it is None."""
     return reference_corpus(config) if config.text_file is None else corpus_from_file(config.text_file, config)
+
+
+@functools.lru_cache(maxsize=8)
+def cached_corpus(config: TextTaskConfig) -> TextCorpus:
+    """`load_corpus(config)`, built once per config (configs are hashable)."""
+    return load_corpus(config)
 
 
 def _check_tokens(tokens: jax.Array, config: TextTaskConfig, batch_size: int, name: str) -> None:

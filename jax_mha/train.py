@@ -243,7 +243,7 @@ def evaluate(params, model: Decoder, task: Task, batch: Batch, head_mask=None) -
     Returns a dict of:
       loss, token_accuracy: teacher-forced, over scored positions;
       the task's own metrics (`task.eval_metrics`, e.g. the copy task's
-        `exact_accuracy` from greedy decoding);
+        `exact_accuracy` from greedy decoding, the language model's `bpc`);
       entropy, entropy_normalized, confidence: `(num_layers, H)`, mean over scored
         queries of each head's attention entropy (nats), of the entropy divided by
         ln(number of keys the query may see), and of the max weight.
@@ -280,7 +280,7 @@ class SeedsResult:
     state: TrainState  # final states, stacked over seeds
     curve: dict[str, np.ndarray]  # "step" (C,), "loss"/"accuracy" (seeds, C): training means of each chunk
     evals: dict[str, np.ndarray]  # "step" (E,), then each evaluate() metric stacked (seeds, E, …)
-    steps_to_target: list[int | None]  # first eval step with held-out token accuracy >= target, per seed
+    steps_to_target: list[int | None]  # first eval step with held-out token accuracy >= target, per seed (None without a stop_metric)
     steps_run: int
     stop_reason: str  # "target reached" (early stop) or "step limit"
     resumed_from: int  # the step a saved state was resumed at (0: a fresh run)
@@ -308,7 +308,7 @@ def _unstack(tree, n: int):
 
 
 def _programs(model, optimizer, task, cfg: TrainConfig, num_seeds: int, use_vmap: bool, mesh) -> _Programs:
-    eval_batch = task.batch(jax.random.key(cfg.eval_seed), cfg.eval_size)  # eager: its ops stay compiled across runs
+    eval_batch = task.eval_batch(jax.random.key(cfg.eval_seed), cfg.eval_size)  # eager: its ops stay compiled across runs
     eval_one = lambda params: evaluate(params, model, task, eval_batch)
     # One seed at a time: XLA:CPU compiles the vmapped initialisers ~5x slower, and
     # the values are the same (jax.random is vmap-invariant).
@@ -397,6 +397,8 @@ def _result(seeds, state, history: dict, cfg: TrainConfig, task: Task, resumed_f
     curve = {"step": np.asarray(history["curve"]["step"])}
     curve.update({k: np.stack(history["curve"][k], 1) for k in ("loss", "accuracy")})
     hit = evals["token_accuracy"] >= cfg.target_accuracy  # (seeds, E)
+    if task.stop_metric is None:  # no target to reach (a language model): no steps-to-target either
+        hit = np.zeros_like(hit)
     tokens = history["timed_steps"] * cfg.batch_size * task.seq_len * len(seeds)
     return SeedsResult(
         seeds=seeds, state=state, curve=curve, evals=evals,
