@@ -95,9 +95,14 @@ class Decoder(nn.Module):
     offset directly; the sinusoidal table (no parameters, extrapolates) is there to
     compare. Parameters: `embed`, `positions` (learned only), `block_{i}`,
     `final_norm`, `logits`.
+
+    With `decode=True` (same parameters) every block keeps a KV cache and the model
+    keeps `cache/position` (the next position to write): `init` with tokens of the
+    cache length, then apply chunk by chunk with `mutable=["cache"]` (see `generate`).
     """
 
     config: ModelConfig
+    decode: bool = False  # KV-cache decoding (see `generate`): blocks keep a "cache", positions continue from it
 
     @nn.compact
     def __call__(
@@ -138,13 +143,14 @@ class Decoder(nn.Module):
             table = self.param("positions", nn.initializers.normal(0.02), (cfg.max_len, cfg.d_model))
         else:
             table = sinusoidal_positions(cfg.max_len, cfg.d_model)
-        x = x + jnp.broadcast_to(table[: tokens.shape[-1]], x.shape)
+        x = x + jnp.broadcast_to(self._position_rows(table, tokens.shape[-1]), x.shape)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         all_weights = []
         for layer in range(cfg.num_layers):
             block = TransformerBlock(
                 num_heads=cfg.num_heads, d_ff=cfg.d_ff, dropout_rate=cfg.dropout_rate,
-                pre_norm=cfg.pre_norm, implementation=cfg.implementation, name=f"block_{layer}",
+                pre_norm=cfg.pre_norm, implementation=cfg.implementation, decode=self.decode,
+                name=f"block_{layer}",
             )
             out = block(
                 x, is_causal=True, head_mask=None if head_mask is None else head_mask[layer],
@@ -155,6 +161,19 @@ class Decoder(nn.Module):
         x = nn.LayerNorm(name="final_norm")(x)
         logits = nn.Dense(cfg.vocab_size, name="logits")(x).astype(jnp.float32)  # (B…, T, V)
         return (logits, jnp.stack(all_weights)) if return_weights else logits
+
+
+    def _position_rows(self, table: jax.Array, length: int) -> jax.Array:
+        """Rows `p … p + length - 1` of the `(max_len, d)` table: p = 0, or with
+        `decode` the cached position (advanced by `length` after `init`)."""
+        if not self.decode:
+            return table[:length]  # (T, d)
+        initialized = self.has_variable("cache", "position")
+        position = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
+        start = position.value if initialized else jnp.array(0, jnp.int32)
+        if initialized:
+            position.value = start + length
+        return jax.lax.dynamic_slice_in_dim(table, start, length, axis=0)  # (T, d)
 
 
 # The copy task's name for the same network (its checkpoints and analyses use it).
@@ -203,3 +222,83 @@ def _generate(params, model, prompt, num_tokens, head_mask):
         return buffer.at[:, t].set(jnp.argmax(logits[:, t - 1], -1).astype(jnp.int32))
 
     return jax.lax.fori_loop(p, p + num_tokens, body, buffer)
+
+
+def generate(
+    params, model: Decoder, prompt, num_tokens: int, *, temperature: float = 0.0, key: jax.Array | None = None,
+    head_mask=None,
+) -> jax.Array:
+    """Continues `prompt` by `num_tokens` tokens through the KV cache.
+
+    The prompt is read in one chunk (filling every block's cache), then each new
+    token is one call on a single position: O(T) work per token where
+    `greedy_generate` re-runs the whole sequence. `temperature=0` is greedy (the
+    argmax, equal to `greedy_generate`); `temperature > 0` samples from
+    `softmax(logits / temperature)` with `fold_in(key, t)` at position t.
+
+    Args:
+      params: the model's parameters (those of `Decoder(config)`; decoding adds none).
+      model: a `Decoder` (its `decode` flag is ignored: a decoding twin is built).
+      prompt: int `(B, P)`, ids in `[0, vocab_size)`, `P >= 1`.
+      num_tokens: new tokens, `P + num_tokens <= max_len`.
+      temperature: 0 (greedy) or a finite number > 0.
+      key: PRNG key, required when `temperature > 0`.
+      head_mask: optional `(num_layers, H)` gates.
+
+    Returns:
+      int32 `(B, P + num_tokens)`: the prompt followed by the generated tokens.
+
+    Raises:
+      TypeError, ValueError: as `greedy_generate`; a negative or non-finite
+        temperature; `temperature > 0` without a key.
+    """
+    _check_prompt(model.config, prompt, num_tokens)
+    if not 0.0 <= temperature < math.inf:  # NaN fails too
+        raise ValueError(f"temperature must be 0 (greedy) or a finite number > 0, got {temperature}")
+    if temperature > 0 and key is None:
+        raise ValueError(f"temperature={temperature} samples: pass key=jax.random.key(...)")
+    key = jax.random.PRNGKey(0) if key is None else key
+    prompt = jnp.asarray(prompt).astype(jnp.int32)
+    if num_tokens == 0:
+        return prompt
+    return _generate_cached(params, model.config, prompt, num_tokens, jnp.float32(temperature), key, head_mask,
+                            temperature == 0)
+
+
+def _check_prompt(cfg: ModelConfig, prompt, num_tokens: int) -> None:
+    shape = jnp.shape(prompt)
+    if len(shape) != 2 or shape[1] < 1:
+        raise ValueError(f"prompt must be int (B, P) with P >= 1, got shape {shape}")
+    if num_tokens < 0 or shape[1] + num_tokens > cfg.max_len:
+        raise ValueError(f"prompt length {shape[1]} + num_tokens={num_tokens} must be in "
+                         f"[{shape[1]}, max_len={cfg.max_len}]")
+    check_tokens(prompt, cfg.vocab_size)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_tokens", "greedy"))
+def _generate_cached(params, config, prompt, num_tokens, temperature, key, head_mask, greedy):
+    b, p = prompt.shape
+    model = Decoder(config, decode=True)
+    shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((b, p + num_tokens), jnp.int32))["cache"]
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # empty; every index at 0
+
+    def step(cache, tokens, t):
+        """Feeds `tokens (B, n)`; returns the cache and the token for position t: (B,)."""
+        logits, variables = model.apply({"params": params, "cache": cache}, tokens, head_mask=head_mask,
+                                        mutable=["cache"])
+        last = logits[:, -1]  # (B, V)
+        if greedy:
+            return variables["cache"], jnp.argmax(last, -1).astype(jnp.int32)
+        sample = jax.random.categorical(jax.random.fold_in(key, t), last / temperature, axis=-1)
+        return variables["cache"], sample.astype(jnp.int32)
+
+    cache, first = step(cache, prompt, p)
+    buffer = jnp.zeros((b, p + num_tokens), jnp.int32).at[:, :p].set(prompt).at[:, p].set(first)
+
+    def body(t, carry):
+        cache, buffer = carry
+        cache, nxt = step(cache, jax.lax.dynamic_slice_in_dim(buffer, t - 1, 1, axis=1), t)
+        return cache, buffer.at[:, t].set(nxt)
+
+    _, buffer = jax.lax.fori_loop(p + 1, p + num_tokens, body, (cache, buffer))
+    return buffer
