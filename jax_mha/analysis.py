@@ -30,7 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_mha import head_types
 from jax_mha.models import Decoder
+from jax_mha.text import bits_per_character
 from jax_mha.train import scored_loss
 
 ORDERS = ("importance", "oracle")
@@ -302,13 +304,19 @@ def _lowest(scores: np.ndarray, alive: np.ndarray, k: int, tiebreak: np.ndarray 
     return [divmod(int(i), n_heads) for i in order[: min(k, int(alive.sum()))]]
 
 
-def _rank(params, model, score_batch, gates: np.ndarray, order: str, k: int, normalize: bool, chunk_size):
-    """`(heads to remove, the scores they were chosen by)` for one pruning step."""
+def _rank(params, model, score_batch, gates: np.ndarray, order: str, k: int, normalize: bool, chunk_size,
+          criterion: str = "accuracy"):
+    """`(heads to remove, the scores they were chosen by)` for one pruning step. The
+    oracle ranks by what the stop rule measures: the accuracy drop (ties broken by the
+    loss increase) or, for the loss criterion, the loss increase itself."""
     alive = gates > 0
     if order == "importance":
         scores = np.asarray(head_importance(params, model, score_batch, gates=jnp.asarray(gates), normalize=normalize))
         return _lowest(scores, alive, k), scores
     drops, loss_up = _ablation(params, model, score_batch, jnp.asarray(gates), chunk_size)
+    if criterion == "loss":
+        scores = np.asarray(loss_up)
+        return _lowest(scores, alive, k), scores
     scores = np.asarray(drops)
     return _lowest(scores, alive, k, tiebreak=np.asarray(loss_up)), scores
 
@@ -355,7 +363,7 @@ def prune_heads_iteratively(
     - `order="importance"`: by `head_importance` (per-example gate gradients);
     - `order="oracle"`: by `ablate_each_head`, the accuracy actually lost when the
       head is removed (ties, common once a model is perfect, broken by the loss
-      increase).
+      increase); with `criterion="loss"`, by the loss increase when it is removed.
 
     The stop rule fires at the first step outside `max_drop`: with
     `criterion="accuracy"`, accuracy more than `max_drop` (absolute, accuracy in
@@ -404,7 +412,8 @@ def prune_heads_iteratively(
     base = (steps[0].accuracy, steps[0].loss)
     heads_prunable, fired = 0, False
     while gates.sum() > 0 and (run_to_end or not fired):
-        removed, scores = _rank(params, model, score_batch, gates, order, heads_per_step, normalize, chunk_size)
+        removed, scores = _rank(params, model, score_batch, gates, order, heads_per_step, normalize, chunk_size,
+                                criterion)
         for layer, head in removed:
             gates[layer, head] = 0.0
         steps.append(record(gates, removed, scores, base))
@@ -471,3 +480,53 @@ def diagonal_weight(weights: jax.Array, offset: int, query_mask: jax.Array | Non
     Args and averaging as in `offset_profile`; returns `(…, H)`.
     """
     return offset_profile(weights, query_mask)[..., offset]
+
+
+# ----------------------------------------------------------------- language models: bpc and head types
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def _split_losses(params, model: Decoder, batches: dict, gates: jax.Array) -> jax.Array:
+    return jax.lax.map(lambda b: _loss_and_accuracy(params, model, b, gates)[0], batches)  # (num_batches,)
+
+
+def split_bpc(params, model: Decoder, batches: dict, *, gates: jax.Array | None = None) -> float:
+    """Bits per character over a whole split (`jax_mha.text.validation_batches`).
+
+    Args:
+      params: the model's parameters.
+      model: the decoder.
+      batches: `inputs`, `targets`, `scored`, each `(num_batches, B, T)`.
+      gates: optional `(num_layers, H)` head gates.
+
+    Returns:
+      the mean over every scored character of the cross-entropy in bits (batches
+      weighted by how many characters they score).
+    """
+    losses = _split_losses(params, model, batches, _gates_or_ones(model, gates))
+    return float(bits_per_character(losses, num_scored=jnp.sum(batches["scored"], axis=(1, 2))))
+
+
+def model_head_scores(
+    params, model: Decoder, text_inputs: jax.Array, *, key: jax.Array, num_sequences: int = 32, low: int = 0,
+) -> head_types.HeadScores:
+    """Every head's previous-token, first-token and entropy scores on real text and
+    its induction score on repeated random tokens (`jax_mha.head_types`).
+
+    Args:
+      params: the model's parameters.
+      model: the decoder.
+      text_inputs: int `(B, T)`, e.g. validation windows.
+      key: PRNG key of the repeated random tokens.
+      num_sequences: rows of the induction probe, each `R = T // 2` distinct random
+        tokens twice (`2R <= max_len`).
+      low: the smallest token id the probe draws.
+
+    Returns:
+      `HeadScores`, each field `(num_layers, H)`.
+    """
+    repeat = text_inputs.shape[-1] // 2
+    probe = head_types.repeated_random_tokens(key, num_sequences, repeat, model.config.vocab_size, low=low)
+    text_weights = attention_weights(params, model, text_inputs)  # (L, B, H, T, T)
+    probe_weights = attention_weights(params, model, probe)  # (L, B', H, 2R, 2R)
+    return head_types.head_scores(text_weights, probe_weights, probe)
