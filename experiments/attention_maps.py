@@ -21,6 +21,15 @@ and says why); without a checkpoint of the preset's model one is trained.
 
 Writes to --out (default results/attention_maps/<preset>/): layer{l}.png per layer,
 offset_profile.png, results.json.
+
+With `--task lm` (seed 000, exercise 2: attention on real sentences) it draws the
+character language models of `head_ablation --task lm`: one held-out sentence from the
+validation split, its characters on both axes, one figure per layer for each of the
+1-, 4- and 16-head models (`--heads` picks one), each head titled with its measured
+type (`jax_mha.head_types`). Writes h{H}_layer{l}.png and results.json to
+results/attention_maps/lm-<preset>/.
+
+    python -m experiments.attention_maps --task lm --preset quick
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import numpy as np
 
 from experiments import common, plotting
 from experiments.common import Interrupted, save_figure, write_json
-from jax_mha import analysis
+from jax_mha import analysis, head_types
 from jax_mha.data import task_to_dict
 from jax_mha.models import Decoder
 
@@ -44,7 +53,9 @@ MODULE = "experiments.attention_maps"
 def parse(argv):
     """`(args, ModelSpec)`; every bad value ends in `error:` and exit 2."""
     p = common.parser(MODULE, "Draw per-head attention heatmaps of a copy-task model for one sequence and find the "
-                              "retrieval head (most weight on key = query - L).", common.PRESETS)
+                              "retrieval head (most weight on key = query - L); with --task lm, per-head maps of "
+                              "a held-out sentence for the 1-, 4- and 16-head language models.",
+                      common.PRESETS, common.LM_PRESETS)
     common.add_model_args(p)
     p.add_argument("--untrained", action="store_true",
                    help="draw a freshly initialised model of the preset (seed --seed) instead of a trained one")
@@ -136,10 +147,73 @@ def report(m: common.StudyModel, stats: dict, args) -> None:
     print(f"wrote {args.out}/layer*.png, offset_profile.png, results.json")
 
 
+# ----------------------------------------------------------------- the language model (--task lm)
+
+LM_HEADS = (1, 4, 16)  # the issue's three models: one head, a few, many narrow ones
+
+
+def lm_specs(args, spec: common.ModelSpec) -> list[common.ModelSpec]:
+    """The models to draw: `--heads` (or `--checkpoint`), else those of 1, 4, 16 heads the preset trains."""
+    if args.heads is not None or args.checkpoint is not None:
+        return [spec]
+    heads = [h for h in LM_HEADS if h in spec.ablation.heads] or [spec.ablation.analysis_heads]
+    return [dataclasses.replace(spec, heads=h) for h in heads]
+
+
+def lm_titles(m: common.StudyModel, tokens: np.ndarray) -> tuple[np.ndarray, list[list[str]], list[dict]]:
+    """Attention weights `(layers, H, T, T)` on the sentence, and per-head titles naming
+    each head's type and scores (measured on validation windows, not just this sentence)."""
+    model = Decoder(m.config)
+    weights = np.asarray(analysis.attention_weights(m.params, model, jnp.asarray(tokens)[None]))[:, 0]
+    text = m.task.eval_batch(None, 32)["inputs"]
+    scores = analysis.model_head_scores(m.params, model, text, key=jax.random.key(common.ANALYSIS_EVAL_SEED))
+    labels = head_types.classify_heads(scores)
+    titles = [[f"head {h}: {labels[l, h].replace('_', '-')}\nprev {float(scores.previous_token[l, h]):.2f}, "
+               f"ind {float(scores.induction[l, h]):.2f}, first {float(scores.first_token[l, h]):.2f}"
+               for h in range(m.config.num_heads)] for l in range(m.config.num_layers)]
+    return weights, titles, head_types.head_type_table(scores, labels)
+
+
+def lm_main(args, spec: common.ModelSpec) -> dict:
+    """Per-layer maps of one validation sentence for each model; returns the record."""
+    task = spec.ablation.task
+    tokens = common.sentence_windows(task, task.seq_len, args.example + 1)[args.example]  # (T,)
+    sentence = task.corpus.decode(tokens)
+    labels = plotting.char_labels(sentence)
+    machine = f"{common.cpu_model()}"
+    record = {"config": {"task": task_to_dict(task), "preset": args.preset, "example": args.example},
+              "metadata": common.run_metadata(), "sentence": sentence, "models": {}}
+    for s in lm_specs(args, spec):
+        m = common.find_model(s, args.out, args.checkpoint, args.retrain) or common.train_model(
+            s, args.out, not args.no_progress)
+        weights, titles, table = lm_titles(m, tokens)
+        for l in range(m.config.num_layers):
+            save_figure(plotting.attention_grid(
+                weights[l], tokens, labels=labels, titles=titles[l], ncols=min(4, m.config.num_heads),
+                suptitle=(f"Layer {l} of the {m.config.num_heads}-head character LM ({common.describe_model(m.config, m.task).split(' x ')[0]}, "
+                          f"d_model={m.config.d_model}): a held-out sentence (validation topics of the Python "
+                          f"reference)\nrows: query character, columns: key character; head type measured on "
+                          f"validation text (trained on {machine})")),
+                args.out / f"h{m.config.num_heads}_layer{l}.png")
+        record["models"][str(m.config.num_heads)] = {"source": m.source, "head_types": table}
+        print(f"h={m.config.num_heads}: " + ", ".join(f"L{r['layer']}H{r['head']} {r['type']}" for r in table))
+    write_json(args.out / "results.json", record)
+    print(f"sentence: {sentence!r}\nwrote {args.out}/h*_layer*.png and results.json")
+    return record
+
+
 def main(argv=None) -> dict:
     args, spec = parse(argv)
     common.use_agg_backend()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.task == "lm":
+        if args.untrained:
+            raise SystemExit("error: --untrained is for the copy task")
+        try:
+            return lm_main(args, spec)
+        except KeyboardInterrupt:
+            raise Interrupted("the models are saved in their checkpoints; the maps were not finished",
+                              resumes=False) from None
     if args.untrained:
         m = untrained(spec)
     else:

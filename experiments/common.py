@@ -24,7 +24,8 @@ import jax
 import numpy as np
 
 from jax_mha.checkpoint import load_checkpoint, save_checkpoint, write_atomic
-from jax_mha.data import CopyTaskConfig, task_from_dict, task_to_dict
+from jax_mha.data import CopyTaskConfig, Task, task_from_dict, task_to_dict
+from jax_mha.text import TextTaskConfig
 from jax_mha.models import ModelConfig
 from jax_mha.train import TrainConfig, train_seeds
 
@@ -106,11 +107,15 @@ nonnegative_float = _number(float, 0, math.inf, False, True, "a finite number >=
 unit_interval = _number(float, 0, 1, False, False, "in [0, 1]")  # absolute accuracy drops
 
 
-def parser(module: str, description: str, presets: dict[str, Callable] | None = None) -> argparse.ArgumentParser:
-    """A study's parser; `--help` ends with every preset's values."""
+def parser(module: str, description: str, presets: dict[str, Callable] | None = None,
+           lm_presets: dict[str, Callable] | None = None) -> argparse.ArgumentParser:
+    """A study's parser; `--help` ends with every preset's values (copy, then `--task lm`)."""
     epilog = None
     if presets:
         epilog = "presets:\n" + "\n".join(f"  {name:<6} {describe_preset(make())}" for name, make in presets.items())
+    if lm_presets:
+        epilog = (epilog + "\n" if epilog else "") + "presets with --task lm:\n" + "\n".join(
+            f"  {name:<6} {describe_preset(make())}" for name, make in lm_presets.items())
     return argparse.ArgumentParser(prog=f"python -m {module}", description=description, epilog=epilog,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
@@ -137,7 +142,7 @@ class AblationConfig:
 
     heads: tuple[int, ...]  # the head counts swept, each dividing model.d_model
     num_seeds: int  # seeds per head count, trained together in one vmapped program
-    task: CopyTaskConfig
+    task: Task  # CopyTaskConfig or TextTaskConfig (--task lm)
     model: ModelConfig  # num_heads is replaced by each swept head count
     train: TrainConfig
     seed: int = 0  # seeds are seed, seed + 1, …, seed + num_seeds - 1
@@ -200,12 +205,70 @@ def tiny() -> AblationConfig:
 
 
 PRESETS: dict[str, Callable[[], AblationConfig]] = {"quick": quick, "full": full, "tiny": tiny}
-TASK_CHOICES = ("copy",)  # --task; the copy task is the only one so far
+
+
+# ----------------------------------------------------------------- presets of the character language model
+
+
+def _lm_preset(seq_len: int, d_model: int, train: TrainConfig, **kw) -> AblationConfig:
+    task = TextTaskConfig(seq_len=seq_len)
+    model = ModelConfig(vocab_size=task.vocab_size, max_len=seq_len, d_model=d_model, d_ff=4 * d_model,
+                        num_heads=kw.get("analysis_heads", 8), num_layers=kw.pop("num_layers", 2))
+    return AblationConfig(task=task, model=model, train=train, **kw)
+
+
+def lm_quick() -> AblationConfig:
+    """A few minutes of training per head count on an idle 2-core CPU (all five counts,
+    3 seeds each, vmapped): d_model=64, 2 layers (room for an induction circuit),
+    64-character windows, 400 steps. Enough to separate the head counts by more than
+    their seed spread? The README reports what came out."""
+    return _lm_preset(64, 64, TrainConfig(batch_size=32, num_steps=400, learning_rate=3e-3, warmup_steps=40,
+                                          steps_per_call=50, eval_every=50, eval_size=64, early_stop=False),
+                      heads=(1, 2, 4, 8, 16), num_seeds=3)
+
+
+def lm_full() -> AblationConfig:
+    """d_model=128, 2 layers, 128-character windows, 3000 steps of 64 windows, 3 seeds:
+    roughly 25 M characters per seed. Estimated 6-10 hours on a 2-core CPU (from the
+    quick preset's throughput; not run for the README)."""
+    return _lm_preset(128, 128, TrainConfig(batch_size=64, num_steps=3000, learning_rate=2e-3, warmup_steps=100,
+                                            steps_per_call=50, eval_every=250, eval_size=128, early_stop=False),
+                      heads=(1, 2, 4, 8, 16), num_seeds=3)
+
+
+def lm_tiny() -> AblationConfig:
+    """A smoke test in seconds (tests use it): 16-character windows, d_model=8, one layer."""
+    return _lm_preset(16, 8, TrainConfig(batch_size=4, num_steps=50, learning_rate=3e-3, warmup_steps=5,
+                                         steps_per_call=25, eval_every=25, eval_size=8, early_stop=False),
+                      heads=(2, 4), num_seeds=2, analysis_heads=4, num_layers=1)
+
+
+LM_PRESETS: dict[str, Callable[[], AblationConfig]] = {"quick": lm_quick, "full": lm_full, "tiny": lm_tiny}
+TASK_PRESETS = {"copy": PRESETS, "lm": LM_PRESETS}
+TASK_CHOICES = tuple(TASK_PRESETS)  # --task: the delayed copy (default) or the character language model
+
+
+def presets_for(task: str) -> dict[str, Callable[[], AblationConfig]]:
+    """The presets of one task (`--task`)."""
+    return TASK_PRESETS[task]
+
+
+def describe_task(task) -> str:
+    """One phrase naming the task and its sizes."""
+    if task.name == "lm":
+        source = "Python Language Reference" if task.text_file is None else f"text file {task.text_file}"
+        return f"character LM on the {source} (T={task.seq_len} characters, {task.vocab_size} symbols)"
+    return f"copy L={task.length}{' reversed' if task.reverse else ''} (T={task.seq_len})"
 
 
 def describe_preset(cfg: AblationConfig) -> str:
     """One line with every value a preset sets."""
     t, m, tr = cfg.task, cfg.model, cfg.train
+    if t.name == "lm":
+        return (f"{describe_task(t)}, d_model={m.d_model}, d_ff={m.d_ff}, {m.num_layers} layer(s), heads "
+                f"{' '.join(map(str, cfg.heads))} (analysed: {cfg.analysis_heads}), {cfg.num_seeds} seeds from "
+                f"{cfg.seed}, batch {tr.batch_size}, {tr.num_steps} steps (no early stop), lr {tr.learning_rate:g}, "
+                f"warmup {tr.warmup_steps}, validation bpc every {tr.eval_every} steps on {tr.eval_size} windows")
     return (f"copy L={t.length} ({t.num_symbols} symbols; sequences of {2 * t.length + 3} tokens, the model reads "
             f"T={t.seq_len}), d_model={m.d_model}, d_ff={m.d_ff}, {m.num_layers} layer(s), heads "
             f"{' '.join(map(str, cfg.heads))} (analysed: {cfg.analysis_heads}), {cfg.num_seeds} seeds from "
@@ -323,7 +386,9 @@ class TrainingBar:
         self.bar = tqdm(total=total, desc=desc, unit="step", disable=disable, leave=True)
 
     def __call__(self, report: dict) -> None:
-        if "eval" in report:
+        if "eval" in report and "bpc" in report["eval"]:
+            self.bar.set_postfix(loss=f"{report['loss']:.4f}", val_bpc=f"{float(np.mean(report['eval']['bpc'])):.3f}")
+        elif "eval" in report:
             self.bar.set_postfix(loss=f"{report['loss']:.4f}",
                                  heldout=f"{float(np.mean(report['eval']['token_accuracy'])):.3f}")
         self.bar.update(report["step"] - self.bar.n)
@@ -390,6 +455,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", choices=TASK_CHOICES, default="copy", help="the task the model was trained on (default copy)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="full",
                    help="analyse this head_ablation preset's model (default full, the README's; values below)")
+    p.add_argument("--text", type=Path, help="--task lm: a UTF-8 text file as corpus (default: the Python Language "
+                   "Reference from pydoc_data)")
     p.add_argument("--heads", type=positive_int, help="its head count (default: the preset's analysed one, 8)")
     p.add_argument("--seed", type=nonnegative_int, help="its seed (default 0)")
     p.add_argument("--checkpoint", type=Path,
@@ -420,7 +487,9 @@ class ModelSpec:
 
 def model_spec(args) -> ModelSpec:
     """From `add_model_args`' options (ValueError for a head count that does not fit)."""
-    ablation = PRESETS[args.preset]()
+    ablation = presets_for(args.task)[args.preset]()
+    if getattr(args, "text", None) is not None:
+        ablation = with_text_file(ablation, args.text)
     if args.train_steps is not None:
         ablation = dataclasses.replace(ablation, train=dataclasses.replace(ablation.train, num_steps=args.train_steps))
     heads = ablation.analysis_heads if args.heads is None else args.heads
@@ -428,10 +497,37 @@ def model_spec(args) -> ModelSpec:
     return ModelSpec(args.preset, ablation, heads, ablation.seed if args.seed is None else args.seed)
 
 
+def with_text_file(ablation: AblationConfig, path: Path) -> AblationConfig:
+    """An LM preset on a user's UTF-8 file (`--text FILE`): its vocabulary sizes the model.
+
+    Raises:
+      ValueError: for a copy-task preset, or a file that cannot be a corpus (names it).
+    """
+    if ablation.task.name != "lm":
+        raise ValueError(f"--text {path} needs --task lm")
+    task = dataclasses.replace(ablation.task, text_file=str(path))
+    model = dataclasses.replace(ablation.model, vocab_size=task.vocab_size)  # loads the file: ValueError if unusable
+    return dataclasses.replace(ablation, task=task, model=model)
+
+
+def sentence_windows(task: TextTaskConfig, length: int, count: int) -> np.ndarray:
+    """`count` windows of `length` validation characters, each starting a sentence (after
+    ". " and at a capital letter), spread evenly over the validation split.
+
+    Returns:
+      int32 `(count, length)` ids (the split's first windows if it has no such sentence).
+    """
+    corpus = task.corpus
+    text = corpus.decode(corpus.validation)
+    starts = [i + 2 for i in range(len(text) - length - 2) if text[i : i + 2] == ". " and text[i + 2].isupper()]
+    starts = starts or list(range(0, len(text) - length, length))
+    picked = [starts[round(j * (len(starts) - 1) / max(count - 1, 1))] for j in range(count)]
+    return np.stack([corpus.validation[s : s + length] for s in picked]).astype(np.int32)
+
+
 def describe_model(model: ModelConfig, task) -> str:
     layers = f"{model.num_layers} layer{'s' if model.num_layers > 1 else ''}"
-    return (f"{layers} x {model.num_heads} heads, d_model={model.d_model}, copy L={task.length}"
-            f"{' reversed' if task.reverse else ''} (T={task.seq_len})")
+    return f"{layers} x {model.num_heads} heads, d_model={model.d_model}, {describe_task(task)}"
 
 
 @dataclasses.dataclass
@@ -440,7 +536,7 @@ class StudyModel:
 
     params: Any
     config: ModelConfig
-    task: CopyTaskConfig
+    task: Task
     source: dict  # kind ("checkpoint", "trained", "untrained"), path, why
 
 
@@ -461,7 +557,8 @@ def _load_checked(path: Path):
 def candidate_checkpoints(spec: ModelSpec, out: Path) -> list[Path]:
     """Where the preset's model may already be: the ablation's folder, then what the
     pruning or attention-map study trained (deduplicated, in that order)."""
-    paths = [default_out(study, spec.preset) / "checkpoints" / spec.filename
+    task = spec.ablation.task.name
+    paths = [default_out(study, spec.preset, task) / "checkpoints" / spec.filename
              for study in ("head_ablation", "head_pruning", "attention_maps")] + [out / "checkpoints" / spec.filename]
     return list(dict.fromkeys(paths))
 
@@ -512,4 +609,5 @@ def train_model(spec: ModelSpec, out: Path, progress: bool) -> StudyModel:
     return StudyModel(params, spec.model, spec.ablation.task,
                       {"kind": "trained", "path": str(path), "why": "no checkpoint found",
                        "steps_run": result.steps_run, "wall_seconds": result.wall_seconds,
-                       "final_exact_accuracy": float(result.evals["exact_accuracy"][0, -1])})
+                       **{f"final_{k}": float(result.evals[k][0, -1]) for k in ("exact_accuracy", "bpc")
+                          if k in result.evals}})

@@ -29,15 +29,18 @@ import numpy as np
 
 from experiments import common, plotting
 from experiments.common import AblationConfig, Interrupted, save_figure, write_atomic, write_json
-from jax_mha import parallel
-from jax_mha.checkpoint import save_checkpoint, train_state_metadata
+from jax_mha import analysis, head_types, parallel
+from jax_mha.checkpoint import load_checkpoint, save_checkpoint, train_state_metadata
 from jax_mha.data import chance_accuracy, task_from_dict, task_to_dict
+from jax_mha.models import Decoder, generate
+from jax_mha.text import validation_batches
 from jax_mha.train import SeedsResult, train_seeds
 
 MODULE = "experiments.head_ablation"
 RECORD_KEYS = {"heads", "head_dim", "steps_run", "wall_seconds", "tokens_per_second", "runs"}
 RUN_KEYS = {"seed", "steps_to_target", "final_token_accuracy", "final_exact_accuracy", "entropy_normalized",
             "curve", "eval_curve"}
+LM_RUN_KEYS = {"seed", "final_eval_bpc", "entropy_normalized", "curve", "eval_curve"}
 
 
 def _mesh_spec(text: str) -> dict[str, int]:
@@ -48,8 +51,8 @@ def _mesh_spec(text: str) -> dict[str, int]:
 
 
 def build_parser():
-    p = common.parser(MODULE, "Train the delayed copy task at several head counts (fixed d_model) and compare.",
-                      common.PRESETS)
+    p = common.parser(MODULE, "Train the delayed copy task (or, with --task lm, a character language model) at "
+                              "several head counts (fixed d_model) and compare.", common.PRESETS, common.LM_PRESETS)
     p.add_argument("--task", choices=common.TASK_CHOICES, default="copy", help="what the models learn (default copy)")
     p.add_argument("--preset", choices=sorted(common.PRESETS), default="quick",
                    help="base configuration (default quick; every preset's values are listed below)")
@@ -62,6 +65,9 @@ def build_parser():
     p.add_argument("--length", type=common.positive_int,
                    help="L, symbols per copy: sequences have 2L+3 tokens, the model reads T = 2L+2")
     p.add_argument("--reverse", action="store_true", help="the reverse variant: the second half is reversed")
+    p.add_argument("--seq-len", type=common.positive_int, help="--task lm: characters per training window T")
+    p.add_argument("--text", type=Path, help="--task lm: a UTF-8 text file as corpus (default: the Python Language "
+                   "Reference from pydoc_data; its last 10%% is the validation split)")
     p.add_argument("--batch-size", type=common.positive_int, help="sequences per optimizer step")
     p.add_argument("--lr", type=common.positive_float, help="peak AdamW learning rate")
     p.add_argument("--steps-per-call", type=common.positive_int, help="optimizer steps fused into one compiled call")
@@ -79,10 +85,10 @@ def build_parser():
 
 def build_config(args) -> AblationConfig:
     """The preset with command-line overrides applied (ValueError on a bad mix)."""
-    base = common.PRESETS[args.preset]()
+    base = common.presets_for(args.task)[args.preset]()
     heads = tuple(args.heads) if args.heads else base.heads
     analysis = base.analysis_heads if base.analysis_heads in heads else max(heads)
-    task = dataclasses.replace(base.task, **_given(length=args.length, reverse=args.reverse or None))
+    task = _task(base.task, args)
     model = dataclasses.replace(base.model, vocab_size=task.vocab_size, max_len=task.seq_len, num_heads=analysis,
                                 **_given(d_model=args.d_model, num_layers=args.layers))
     if args.d_model is not None:
@@ -96,6 +102,17 @@ def build_config(args) -> AblationConfig:
     train = dataclasses.replace(train, **overrides)
     return AblationConfig(heads=heads, num_seeds=args.seeds or base.num_seeds, task=task, model=model, train=train,
                           seed=base.seed if args.seed is None else args.seed, analysis_heads=analysis)
+
+
+def _task(base, args):
+    """The preset's task with the task's own options (ValueError for another task's option)."""
+    if base.name == "lm":
+        if args.length is not None or args.reverse:
+            raise ValueError("--length and --reverse are copy-task options; with --task lm use --seq-len")
+        return dataclasses.replace(base, **_given(seq_len=args.seq_len, text_file=args.text and str(args.text)))
+    if args.seq_len is not None or args.text is not None:
+        raise ValueError("--seq-len and --text need --task lm")
+    return dataclasses.replace(base, **_given(length=args.length, reverse=args.reverse or None))
 
 
 def _given(**kw):
@@ -124,10 +141,26 @@ def parse(argv):
 # ----------------------------------------------------------------- results
 
 
+def _lm_runs(result: SeedsResult) -> list[dict]:
+    """Per-seed records of a language model: validation bpc (eval windows) over training."""
+    ev = result.evals
+    return [{
+        "seed": seed, "steps_to_target": None,
+        "final_eval_bpc": float(ev["bpc"][i, -1]),  # on the eval windows; final_bpc (whole split) comes after training
+        "final_token_accuracy": float(ev["token_accuracy"][i, -1]),
+        "final_loss": float(ev["loss"][i, -1]),
+        "entropy": ev["entropy"][i, -1], "entropy_normalized": ev["entropy_normalized"][i, -1],
+        "confidence": ev["confidence"][i, -1],
+        "curve": {"step": result.curve["step"], "loss": result.curve["loss"][i], "accuracy": result.curve["accuracy"][i]},
+        "eval_curve": {"step": ev["step"], "bpc": ev["bpc"][i], "token_accuracy": ev["token_accuracy"][i],
+                       "loss": ev["loss"][i]},
+    } for i, seed in enumerate(result.seeds)]
+
+
 def summarize_heads(h: int, result: SeedsResult, cfg: AblationConfig) -> dict:
     """The JSON record of one head count: per-seed runs plus timings."""
     ev = result.evals
-    runs = [{
+    runs = _lm_runs(result) if cfg.task.name == "lm" else [{
         "seed": seed,
         "steps_to_target": result.steps_to_target[i],
         "final_token_accuracy": float(ev["token_accuracy"][i, -1]),
@@ -218,9 +251,11 @@ def _results_problem(data) -> str | None:
     for key, kind in (("config", dict), ("metadata", dict), ("heads", dict)):
         if not isinstance(data.get(key), kind):
             return f"its {key!r} entry is missing or not an object"
+    lm = isinstance(data["config"].get("task"), dict) and data["config"]["task"].get("name") == "lm"
+    run_keys = LM_RUN_KEYS if lm else RUN_KEYS
     for h, record in data["heads"].items():
         if not (isinstance(record, dict) and RECORD_KEYS <= set(record) and isinstance(record["runs"], list)
-                and record["runs"] and all(isinstance(r, dict) and RUN_KEYS <= set(r) for r in record["runs"])):
+                and record["runs"] and all(isinstance(r, dict) and run_keys <= set(r) for r in record["runs"])):
             return f"the record of h={h} is incomplete"
     return None
 
@@ -298,11 +333,13 @@ def main(argv=None) -> dict:
     out: Path = args.out
     results_path = out / "results.json"
     results = start_results(results_path, cfg, args.force)
-    print(f"copy task: {common.describe_preset(cfg)}; writing to {out}/", flush=True)
+    print(f"{cfg.task.name} task: {common.describe_preset(cfg)}; writing to {out}/", flush=True)
+
+    lm = cfg.task.name == "lm"
 
     def save():
         write_json(results_path, results)
-        write_atomic(out / "summary.md", summary_table(results))
+        write_atomic(out / "summary.md", lm_summary_table(results) if lm else summary_table(results))
 
     status: dict = {}
     todo = [h for h in cfg.heads if str(h) not in results["heads"]]
@@ -317,13 +354,134 @@ def main(argv=None) -> dict:
         if args.measure_vmap_speedup:
             results["vmap_speedup"] = measure_vmap_speedup(cfg, max(cfg.heads))
             save()
+        if lm and results["heads"]:
+            finish_lm(results, cfg, out, save)
     except KeyboardInterrupt:
         raise Interrupted(describe_saved(results, results_path, status)) from None
+    if lm:
+        return results
     if results["heads"]:
         plot_results(results, out)  # once, at the end (a rerun redraws them from results.json)
     print("\n" + summary_table(results))
     print(f"wrote {results_path}, summary.md and plots to {out}/")
     return results
+
+
+# ----------------------------------------------------------------- the language model (--task lm)
+
+SAMPLE_PROMPTS = 3  # validation sentences the best model continues
+SAMPLE_TEMPERATURE = 0.8  # below 1: fewer misspellings than sampling the raw distribution, still varied
+HEAD_TYPE_SEQUENCES = 32  # validation windows and repeated-random-token rows the head scores average over
+
+
+def _models(results: dict, out: Path):
+    """`(h, run record, params, ModelConfig)` of every trained model, from its checkpoint."""
+    for key in sorted(results["heads"], key=int):
+        for run in results["heads"][key]["runs"]:
+            params, config, _ = load_checkpoint(out / "checkpoints" / f"h{key}_seed{run['seed']}.msgpack")
+            yield int(key), run, params, config
+
+
+def measure_lm_models(results: dict, cfg: AblationConfig, out: Path) -> None:
+    """Fills every run with `final_bpc` (the whole validation split), its head scores,
+    types and counts, and draws head_types/h{H}_seed{S}.png; skips runs already done."""
+    task = cfg.task
+    val = validation_batches(task.corpus.validation, task, 64)
+    text = task.eval_batch(None, HEAD_TYPE_SEQUENCES)["inputs"]
+    for h, run, params, config in _models(results, out):
+        if "head_types" in run:
+            continue
+        model = Decoder(config)
+        run["final_bpc"] = analysis.split_bpc(params, model, val)
+        scores = analysis.model_head_scores(params, model, text, key=jax.random.key(common.ANALYSIS_EVAL_SEED),
+                                            num_sequences=HEAD_TYPE_SEQUENCES)
+        labels = head_types.classify_heads(scores)
+        run["head_types"] = head_types.head_type_table(scores, labels)
+        run["head_type_counts"] = head_types.count_head_types(labels)
+        fields = ("previous_token", "induction", "first_token", "normalized_entropy")
+        save_figure(plotting.head_type_heatmap(
+            {f: np.asarray(getattr(scores, f)) for f in fields}, labels,
+            suptitle=(f"Head types, {h}-head character LM (seed {run['seed']}, validation bpc {run['final_bpc']:.3f})\n"
+                      f"previous-token / first-token / entropy on validation text, induction on repeated random "
+                      f"characters; threshold {head_types.INDUCTION_THRESHOLD}")),
+            out / "head_types" / f"h{h}_seed{run['seed']}.png")
+
+
+def lm_samples(results: dict, cfg: AblationConfig, out: Path) -> dict:
+    """Greedy and temperature continuations of validation sentences by the model of
+    lowest validation bpc, through the KV cache (`jax_mha.models.generate`)."""
+    best = min(((run["final_bpc"], h, run["seed"]) for h, r in results["heads"].items() for run in r["runs"]))
+    params, config, _ = load_checkpoint(out / "checkpoints" / f"h{best[1]}_seed{best[2]}.msgpack")
+    corpus, t = cfg.task.corpus, cfg.task.seq_len
+    prompt_len = max(1, t // 4)
+    prompts = common.sentence_windows(cfg.task, prompt_len, SAMPLE_PROMPTS)  # (P, prompt_len)
+    model, lines = Decoder(config), []
+    for name, temperature in (("greedy", 0.0), (f"temperature {SAMPLE_TEMPERATURE}", SAMPLE_TEMPERATURE)):
+        tokens = generate(params, model, prompts, t - prompt_len, temperature=temperature,
+                          key=jax.random.key(common.ANALYSIS_EVAL_SEED))
+        for row in np.asarray(tokens):
+            lines.append({"sampling": name, "prompt": corpus.decode(row[:prompt_len]),
+                          "continuation": corpus.decode(row[prompt_len:])})
+    return {"model": {"heads": int(best[1]), "seed": int(best[2]), "final_bpc": best[0]}, "lines": lines}
+
+
+def lm_summary_table(results: dict) -> str:
+    """Markdown: validation bpc and head-type counts per head count (mean ± std over seeds)."""
+    cfg, m = results["config"], results["config"]["model"]
+    lines = [f"Character LM, T={cfg['task']['seq_len']}, d_model={m['d_model']}, {m['num_layers']} layers, "
+             f"{cfg['num_seeds']} seeds from {cfg['seed']}, batch {cfg['train']['batch_size']}, "
+             f"{cfg['train']['num_steps']} steps. Mean ± std over seeds; bpc on the whole validation split.", "",
+             "| heads | head dim | validation bpc | induction heads | previous-token heads | first-token heads "
+             "| wall s | tokens/s |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for key in sorted(results["heads"], key=int):
+        r = results["heads"][key]
+        bpc = mean_std([run.get("final_bpc") for run in r["runs"]])
+        counts = lambda t: "–" if "head_type_counts" not in r["runs"][0] else (
+            "{:.1f} ± {:.1f}".format(*mean_std([run["head_type_counts"][t] for run in r["runs"]])))
+        lines.append(f"| {key} | {r['head_dim']} | {bpc[0]:.4f} ± {bpc[1]:.4f} | {counts('induction')} | "
+                     f"{counts('previous_token')} | {counts('first_token')} | {r['wall_seconds']:.0f} | "
+                     f"{r['tokens_per_second']:,.0f} |")
+    for line in results.get("samples", {}).get("lines", []):
+        shown = lambda text: text.replace("\n", "↵")
+        lines.append(f"\n{line['sampling']}: `{shown(line['prompt'])}` → `{shown(line['continuation'])}`")
+    return "\n".join(lines) + "\n"
+
+
+def head_type_markdown(results: dict) -> str:
+    """Markdown: every head of every model, its type and scores."""
+    lines = ["| heads | seed | layer | head | type | previous-token | induction | first-token | norm. entropy |",
+             "|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+    for key in sorted(results["heads"], key=int):
+        for run in results["heads"][key]["runs"]:
+            for row in run.get("head_types", []):
+                lines.append(f"| {key} | {run['seed']} | {row['layer']} | {row['head']} | {row['type']} | "
+                             f"{row['previous_token']:.3f} | {row['induction']:.3f} | {row['first_token']:.3f} | "
+                             f"{row['normalized_entropy']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_lm_results(results: dict, out: Path) -> None:
+    """bpc_curves.png and bpc_vs_heads.png."""
+    machine = f"{results['metadata']['cpu']}, {results['metadata']['cpu_count']} cores"
+    curves = {int(k): {"step": r["runs"][0]["eval_curve"]["step"], "head_dim": r["head_dim"],
+                       "bpc": [run["eval_curve"]["bpc"] for run in r["runs"]]} for k, r in results["heads"].items()}
+    save_figure(plotting.bpc_curves(curves, title=f"Validation bpc during training ({len(curves)} head counts)\n"
+                                                  f"{results['config']['train']['eval_size']} validation windows; {machine}"),
+                out / "bpc_curves.png")
+    final = {int(k): [run["final_bpc"] for run in r["runs"]] for k, r in results["heads"].items()}
+    save_figure(plotting.bpc_vs_heads(final, title=f"Final validation bpc (whole split) vs heads\n{machine}"),
+                out / "bpc_vs_heads.png")
+
+
+def finish_lm(results: dict, cfg: AblationConfig, out: Path, save) -> None:
+    """After training: bpc on the whole split, head types, samples, tables, plots."""
+    measure_lm_models(results, cfg, out)
+    results["samples"] = lm_samples(results, cfg, out)
+    save()
+    write_atomic(out / "head_types.md", head_type_markdown(results))
+    plot_lm_results(results, out)
+    print("\n" + lm_summary_table(results))
+    print(f"wrote {out}/results.json, summary.md, head_types.md, bpc_curves.png, bpc_vs_heads.png, head_types/*.png")
 
 
 if __name__ == "__main__":

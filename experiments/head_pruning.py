@@ -20,6 +20,15 @@ model is trained (resumably) and saved to <out>/checkpoints/.
 Writes to --out (default results/head_pruning/<preset>/): results.json,
 pruning_curves.png, importance_heatmap.png, surviving_heads_importance.png,
 surviving_heads_oracle.png.
+
+With `--task lm` it prunes a character language model of `head_ablation --task lm`
+(default: 8 heads, seed 0) until validation bits per character rise more than
+--max-drop (relative: 0.01 = 1 %) above the unpruned model's; the oracle then ranks
+heads by the loss increase when each is removed. It reports the surviving heads'
+types (`jax_mha.head_types`). Writes results.json and pruning_curves.png to
+results/head_pruning/lm-<preset>/.
+
+    python -m experiments.head_pruning --task lm --preset quick
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import numpy as np
 
 from experiments import common, plotting
 from experiments.common import Interrupted, save_figure, write_json
-from jax_mha import analysis
+from jax_mha import analysis, head_types
 from jax_mha.data import EOS, chance_accuracy, task_to_dict
 from jax_mha.models import Decoder
 
@@ -50,7 +59,8 @@ class PruningConfig:
     score_size: int = 256  # other sequences, for the rankings: heads are not chosen on the eval set
     eval_seed: int = common.ANALYSIS_EVAL_SEED  # apart from training and train's eval set (2**31 - 1)
     score_seed: int = 2**31 - 5
-    max_drop: float = 0.01  # the stop rule: more than 1 accuracy point below the unpruned model
+    max_drop: float = 0.01  # the stop rule: 1 accuracy point below the unpruned model (loss criterion: 1 % above it)
+    criterion: str = "accuracy"  # "accuracy" (absolute drop) or "loss" (relative rise; the LM's bpc)
     heads_per_step: int = 1  # 16 heads: one at a time gives the whole curve
     chunk_size: int | None = 6  # gate configurations per vmap chunk: bounds memory of the 17-way ablation
     example_index: int = 0  # the eval sequence whose attention maps are drawn
@@ -61,6 +71,8 @@ class PruningConfig:
                              f"{self.heads_per_step} and chunk_size={self.chunk_size} must be >= 1")
         if not 0 <= self.max_drop <= 1:
             raise ValueError(f"max_drop must be in [0, 1] (accuracy is in [0, 1]), got {self.max_drop}")
+        if self.criterion not in analysis.CRITERIA:
+            raise ValueError(f"criterion must be one of {analysis.CRITERIA}, got {self.criterion!r}")
         if not 0 <= self.example_index < self.eval_size:
             raise ValueError(f"example_index={self.example_index} must be in [0, eval_size={self.eval_size})")
 
@@ -68,12 +80,18 @@ class PruningConfig:
 # The tiny preset's ranking batch has the eval batch's shape: every compiled function is reused.
 PRUNING = {"quick": PruningConfig(), "full": PruningConfig(),
            "tiny": PruningConfig(eval_size=23, score_size=23, chunk_size=None)}
+# The LM: validation windows score (128 x 64 = 8,192 characters at quick), training windows rank.
+LM_PRUNING = {"quick": PruningConfig(eval_size=128, score_size=64, criterion="loss"),
+              "full": PruningConfig(eval_size=128, score_size=64, criterion="loss"),
+              "tiny": PruningConfig(eval_size=8, score_size=8, criterion="loss", chunk_size=None)}
 
 
 def build_parser():
     p = common.parser(MODULE, "Rank the heads of a trained copy-task model (gradient importance and oracle "
                               "ablation), prune them iteratively in both orders, and report how many can go before "
-                              "accuracy drops more than --max-drop below the unpruned model.", common.PRESETS)
+                              "accuracy drops more than --max-drop below the unpruned model (--task lm: until "
+                              "validation bpc rises more than --max-drop, relative).", common.PRESETS,
+                      common.LM_PRESETS)
     common.add_model_args(p)
     p.add_argument("--max-drop", type=common.unit_interval,
                    help="stop rule: largest tolerated accuracy loss, absolute, in [0, 1] (default 0.01 = 1 point)")
@@ -93,7 +111,7 @@ def parse(argv):
     spec = common.build_or_exit(p, lambda: common.model_spec(args))
     overrides = {k: getattr(args, k) for k in ("max_drop", "heads_per_step", "eval_size", "score_size")}
     cfg = common.build_or_exit(p, lambda: dataclasses.replace(
-        PRUNING[args.preset], **{k: v for k, v in overrides.items() if v is not None}))
+        (LM_PRUNING if args.task == "lm" else PRUNING)[args.preset], **{k: v for k, v in overrides.items() if v is not None}))
     if args.out is None:
         args.out = common.default_out("head_pruning", args.preset, args.task)
     return args, spec, cfg
@@ -285,6 +303,86 @@ def analyse(m: common.StudyModel, args, cfg: PruningConfig) -> dict:
     return results
 
 
+# ----------------------------------------------------------------- the language model (--task lm)
+
+BITS = 1.0 / np.log(2.0)  # nats -> bits
+
+
+def lm_prune(m: common.StudyModel, model: Decoder, batches: dict, cfg: PruningConfig, normalize: bool,
+             progress: bool) -> dict[str, analysis.PruningResult]:
+    """Iterative pruning in both orders under the relative-loss (bpc) stop rule, to the end."""
+    from tqdm.auto import tqdm
+
+    records = {}
+    for order in analysis.ORDERS:
+        bar = tqdm(total=int(np.prod(analysis.gate_shape(model))), desc=f"pruning by {order}", unit="head",
+                   disable=not progress)
+        callback = lambda step, bar=bar: (bar.update(step.num_pruned - bar.n), bar.set_postfix(bpc=f"{step.loss * BITS:.4f}"))
+        try:
+            records[order] = analysis.prune_heads_iteratively(
+                m.params, model, batches["eval"], order=order, max_drop=cfg.max_drop, criterion=cfg.criterion,
+                heads_per_step=cfg.heads_per_step, score_batch=batches["score"], normalize=normalize,
+                run_to_end=True, chunk_size=cfg.chunk_size, callback=callback)
+        except FloatingPointError as e:
+            raise SystemExit(f"error: pruning by {order}: {e}") from None
+        finally:
+            bar.close()
+    return records
+
+
+def lm_survivors(rec: analysis.PruningResult, labels: np.ndarray) -> dict:
+    """The heads left when the bpc rule fires, with their types (measured on the full model)."""
+    gates = rec.surviving_gates()
+    heads = [(int(l), int(h)) for l, h in zip(*np.nonzero(gates))]
+    step = next(s for s in rec.steps if s.num_pruned == rec.heads_prunable)
+    return {"gates": gates, "heads": heads, "bpc": step.loss * BITS,
+            "types": {f"L{l}H{h}": str(labels[l, h]) for l, h in heads},
+            "type_counts": head_types.count_head_types(np.asarray([labels[l, h] for l, h in heads] or [], str))}
+
+
+def lm_analyse(m: common.StudyModel, args, cfg: PruningConfig) -> dict:
+    """Scores, prunes (bpc criterion), draws and writes the LM's pruning record."""
+    model, normalize, start = Decoder(m.config), not args.no_normalize, time.perf_counter()
+    batches = {"eval": m.task.eval_batch(None, cfg.eval_size),
+               "score": jax.jit(lambda key: m.task.batch(key, cfg.score_size))(jax.random.key(cfg.score_seed))}
+    scores = analysis.model_head_scores(m.params, model, batches["eval"]["inputs"][:32],
+                                        key=jax.random.key(common.ANALYSIS_EVAL_SEED))
+    labels = head_types.classify_heads(scores)
+    records = lm_prune(m, model, batches, cfg, normalize, not args.no_progress)
+    shape = analysis.gate_shape(model)
+    total, base = shape[0] * shape[1], records["importance"].steps[0].loss * BITS
+    results = {
+        "config": dataclasses.asdict(cfg) | {"task": task_to_dict(m.task), "model": dataclasses.asdict(m.config),
+                                             "normalize": normalize, "preset": args.preset},
+        "metadata": common.run_metadata(), "source": m.source, "total_heads": total, "base_bpc": base,
+        "all_heads_off_bpc": records["importance"].steps[-1].loss * BITS,
+        "head_types": head_types.head_type_table(scores, labels),
+        "heads_prunable": {o: r.heads_prunable for o, r in records.items()},
+        "pruning": {o: r.to_dict() for o, r in records.items()},
+        "bpc_curves": {o: [s.loss * BITS for s in r.steps] for o, r in records.items()},
+        "survivors": {o: lm_survivors(r, labels) for o, r in records.items()},
+        "analysis_seconds": time.perf_counter() - start,
+    }
+    save_figure(plotting.bpc_pruning_curves(
+        {ORDER_LABELS_LM[o]: (r.fractions, np.asarray(results["bpc_curves"][o])) for o, r in records.items()},
+        base_bpc=base, max_rise=cfg.max_drop, total_heads=total, all_off_bpc=results["all_heads_off_bpc"],
+        heads_prunable={ORDER_LABELS_LM[o]: r.heads_prunable for o, r in records.items()},
+        title=(f"Iterative head pruning of the {shape[1]}-head character LM ({shape[0]} layers)\n"
+               f"{cfg.eval_size} validation windows; {common.cpu_model()}")), args.out / "pruning_curves.png")
+    write_json(args.out / "results.json", results)
+    print(f"\nmodel: {m.source['path']} ({describe(m)}); unpruned bpc {base:.4f}, all heads off "
+          f"{results['all_heads_off_bpc']:.4f}")
+    for o, r in records.items():
+        sv = results["survivors"][o]
+        print(f"{o}: {r.heads_prunable}/{total} heads pruned before bpc rose > {100 * cfg.max_drop:g} % "
+              f"(bpc then {sv['bpc']:.4f}); survivors: {sv['types']}")
+    print(f"wrote {args.out}/results.json and pruning_curves.png ({results['analysis_seconds']:.0f} s of analysis)")
+    return results
+
+
+ORDER_LABELS_LM = {"importance": "by gradient importance I(l,h)", "oracle": "by oracle (bpc rise)"}
+
+
 def main(argv=None) -> dict:
     args, spec, cfg = parse(argv)
     common.use_agg_backend()
@@ -292,7 +390,7 @@ def main(argv=None) -> dict:
     m = common.find_model(spec, args.out, args.checkpoint, args.retrain) or common.train_model(
         spec, args.out, not args.no_progress)
     try:
-        return analyse(m, args, cfg)
+        return lm_analyse(m, args, cfg) if m.task.name == "lm" else analyse(m, args, cfg)
     except KeyboardInterrupt:
         raise Interrupted(f"the model is saved in {m.source['path']}; the analysis (a few minutes) was not "
                           "finished and starts again", resumes=False) from None

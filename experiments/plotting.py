@@ -30,6 +30,11 @@ def token_labels(tokens: Sequence[int]) -> list[str]:
     return out
 
 
+def char_labels(text: str) -> list[str]:
+    """Readable axis labels for characters: space as `␣`, newline as `↵`, tab as `→`."""
+    return [{" ": "␣", "\n": "↵", "\t": "→"}.get(ch, ch) for ch in text]
+
+
 def attention_grid(
     weights: np.ndarray,
     tokens: Sequence[int],
@@ -39,6 +44,7 @@ def attention_grid(
     ncols: int = 4,
     stripe_offset: int | None = None,
     cmap: str = "viridis",
+    labels: Sequence[str] | None = None,
 ):
     """Per-head attention heatmaps for one sequence, a grid of subplots.
 
@@ -50,6 +56,7 @@ def attention_grid(
       ncols: panels per row.
       stripe_offset: if set, a thin dashed guide on key = query − offset.
       cmap: colormap; one shared colorbar (0 to 1) for every panel.
+      labels: `(T,)` axis labels instead of `token_labels(tokens)` (e.g. `char_labels`).
 
     Returns:
       the figure.
@@ -61,7 +68,7 @@ def attention_grid(
     nrows = -(-n // ncols)
     size = 2.0 + 0.085 * t_len  # inches per panel: room for one label per token
     fig, axes = plt.subplots(nrows, ncols, figsize=(size * ncols + 1.2, size * nrows + 0.9), squeeze=False)
-    labels = token_labels(tokens)
+    labels = token_labels(tokens) if labels is None else list(labels)
     fontsize = max(3.5, min(8.0, 260.0 / t_len))
     image = None
     for i, ax in enumerate(axes.flat):
@@ -363,4 +370,131 @@ def entropy_per_head(entropy: Mapping[int, np.ndarray]):
     axes[-1, 0].set_xlabel("head rank within its layer (0 = most focused)")
     fig.suptitle("Attention entropy per head at scored queries, normalised by ln(#visible keys)\n"
                  "(0 = attends to one key, 1 = uniform; mean ± std over seeds)")
+    return fig
+
+
+def bpc_curves(curves: Mapping[int, Mapping[str, np.ndarray]], *, title: str):
+    """Validation bits per character against step, one colour per head count.
+
+    Args:
+      curves: `heads -> {"step" (E,), "bpc" (seeds, E)}`.
+      title: the axes title (say the machine and the data).
+
+    Returns:
+      the figure: mean over seeds as a line, every seed as a thin line.
+    """
+    import matplotlib.pyplot as plt
+
+    keys = sorted(curves)
+    colors = plt.cm.viridis(np.linspace(0, 0.9, max(len(keys), 1)))
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    for color, h in zip(colors, keys):
+        steps, values = np.asarray(curves[h]["step"]), np.asarray(curves[h]["bpc"], dtype=float)
+        for row in values:
+            ax.plot(steps, row, color=color, lw=0.6, alpha=0.45)
+        ax.plot(steps, values.mean(0), color=color, lw=1.8, marker=".", label=f"h={h} (d_head={curves[h].get('head_dim', '?')})")
+    ax.set(xlabel="optimizer step", ylabel="validation bits per character", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(title="heads (thin: single seeds)", fontsize=8)
+    return fig
+
+
+def bpc_vs_heads(stats: Mapping[int, Sequence[float]], *, title: str):
+    """Final validation bpc against the head count: every seed as a dot, mean ± std.
+
+    Args:
+      stats: `heads -> per-seed final bpc`.
+      title: the axes title.
+
+    Returns:
+      the figure.
+    """
+    import matplotlib.pyplot as plt
+
+    heads = np.asarray(sorted(stats))
+    values = [np.asarray(stats[h], float) for h in heads]
+    fig, ax = plt.subplots(figsize=(6.5, 4.4))
+    for h, v in zip(heads, values):
+        ax.scatter(np.full(v.shape, h), v, color="grey", s=14, zorder=3, label="single seed" if h == heads[0] else None)
+    ax.errorbar(heads, [v.mean() for v in values], yerr=[v.std() for v in values], marker="o", capsize=5,
+                color="C0", label="mean ± std over seeds", zorder=2)
+    ax.set(xscale="log", xlabel="number of heads h (d_model fixed)", ylabel="validation bits per character (lower is better)",
+           title=title)
+    ax.set_xticks(heads, [str(h) for h in heads])
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return fig
+
+
+def head_type_heatmap(scores: Mapping[str, np.ndarray], labels: np.ndarray, *, suptitle: str):
+    """One row of `(num_layers, H)` heatmaps per score, each head's type written in it.
+
+    Args:
+      scores: score name -> `(num_layers, H)` values in [0, 1] (e.g. previous_token,
+        induction, first_token, normalized_entropy).
+      labels: str `(num_layers, H)` head types.
+      suptitle: the figure title.
+
+    Returns:
+      the figure.
+    """
+    import matplotlib.pyplot as plt
+
+    short = {"induction": "ind", "previous_token": "prev", "first_token": "first", "diffuse": "diff", "other": "oth"}
+    n_layers, n_heads = labels.shape
+    fig, axes = plt.subplots(len(scores), 1, figsize=(2.2 + 0.62 * n_heads, 0.9 + len(scores) * (0.55 + 0.5 * n_layers)),
+                             squeeze=False)
+    for ax, (name, values) in zip(axes[:, 0], scores.items()):
+        values = np.asarray(values, float)
+        image = ax.imshow(values, cmap="magma", vmin=0.0, vmax=1.0, aspect="auto")
+        for l, h in np.ndindex(n_layers, n_heads):
+            text = f"{values[l, h]:.2f}\n{short.get(str(labels[l, h]), labels[l, h])}"
+            ax.text(h, l, text, ha="center", va="center", fontsize=6.5, color="white" if values[l, h] < 0.6 else "black")
+        ax.set_yticks(range(n_layers), [f"layer {l}" for l in range(n_layers)])
+        ax.set_xticks(range(n_heads), [str(h) for h in range(n_heads)])
+        ax.set_title(name.replace("_", " ") + " score", fontsize=9)
+        fig.colorbar(image, ax=ax, fraction=0.03, pad=0.02)
+    axes[-1, 0].set_xlabel("head (cell: score, then the head's type)")
+    fig.suptitle(suptitle, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def bpc_pruning_curves(
+    curves: Mapping[str, tuple[np.ndarray, np.ndarray]], *, base_bpc: float, max_rise: float,
+    heads_prunable: Mapping[str, int], total_heads: int, title: str, all_off_bpc: float | None = None,
+):
+    """Validation bits per character against the fraction of heads pruned.
+
+    Args:
+      curves: `label -> (fractions (S,), bpc (S,))`.
+      base_bpc: the unpruned model's bpc; the band up to `base_bpc * (1 + max_rise)` is shaded.
+      max_rise: the stop rule's relative tolerance (0.01 = 1 %).
+      heads_prunable: `label -> heads removed before the stop rule fired`, starred.
+      total_heads: all heads of the model.
+      title: the figure title.
+      all_off_bpc: bpc with every head off, drawn dotted (None: none).
+
+    Returns:
+      the figure.
+    """
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    ax.axhspan(base_bpc, base_bpc * (1 + max_rise), color="tab:green", alpha=0.2,
+               label=f"within {100 * max_rise:g} % of unpruned ({base_bpc:.3f})")
+    styles = ["o-", "s--", "^-.", "d:"]
+    for i, (label, (fractions, bpc)) in enumerate(curves.items()):
+        (line,) = ax.plot(fractions, bpc, styles[i % len(styles)], ms=4, label=label)
+        k = heads_prunable.get(label)
+        if k is not None:
+            idx = int(np.argmin(np.abs(np.asarray(fractions) - k / total_heads)))
+            ax.plot([fractions[idx]], [bpc[idx]], "*", ms=15, color=line.get_color(), mec="black",
+                    label=f"{label}: {k}/{total_heads} heads prunable")
+    if all_off_bpc is not None:
+        ax.axhline(all_off_bpc, color="grey", ls=":", label=f"every head off ({all_off_bpc:.3f})")
+    ax.set(xlabel="fraction of heads pruned", ylabel="validation bits per character", title=title, xlim=(-0.02, 1.02))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
     return fig
