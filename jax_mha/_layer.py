@@ -12,6 +12,7 @@ the cache holds `(B…, K, L, D)` keys and values, L the maximum decoding length
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -49,6 +50,35 @@ def check_inputs(query, key=None, value=None):
     if not query.shape[:-2] == key.shape[:-2] == value.shape[:-2]:
         raise ValueError(f"query, key, value batch dims differ: {query.shape}, {key.shape}, {value.shape}")
     return key, value
+
+
+def check_dropout_rate(rate, name: str = "dropout_rate"):
+    """`rate`, validated: a real number (not a bool) with `0 <= rate < 1`.
+
+    Raises:
+      ValueError: naming the attribute and the value (a rate of 1 or more drops
+        everything: the outputs would be silently all zero).
+    """
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0.0 <= rate < 1.0:
+        raise ValueError(f"{name} must be a number with 0 <= {name} < 1, got {rate!r}")
+    return rate
+
+
+def check_widths(inputs, widths) -> None:
+    """Each input's feature width against the width its projection was built for.
+
+    Args:
+      inputs: `{name: array}` (query, key, value).
+      widths: `{name: in_features or None}`; None (no parameters yet) is not checked.
+
+    Raises:
+      ValueError: `"{name} has {w} features, the module was built for {k}"`.
+    """
+    for name, x in inputs.items():
+        built = widths.get(name)
+        if built is not None and x.shape[-1] != built:
+            raise ValueError(f"{name} has {x.shape[-1]} features, the module was built for {built} "
+                             f"(shape {x.shape})")
 
 
 def head_sizes(num_heads: int, d_model: int, num_kv_heads: int | None) -> tuple[int, int]:

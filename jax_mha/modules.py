@@ -53,7 +53,8 @@ class MultiHeadAttention(nn.Module):
       out_features: width of the output; default `d_model`.
       qkv_bias: biases on the query/key/value projections.
       out_bias: bias on the output projection.
-      dropout_rate: dropout on the attention weights (rng collection "dropout").
+      dropout_rate: dropout on the attention weights (rng collection "dropout"), in
+        [0, 1) (checked at construction).
       dtype: computation dtype (e.g. jnp.bfloat16); None = inferred from inputs.
       param_dtype: parameter dtype.
       precision: `jax.lax.Precision` of the four projections. The attention itself
@@ -95,6 +96,21 @@ class MultiHeadAttention(nn.Module):
     add_bias_kv: bool = False
     add_zero_attn: bool = False
 
+    def __post_init__(self):
+        _layer.check_dropout_rate(self.dropout_rate)
+        super().__post_init__()
+
+    def _built_widths(self) -> dict:
+        """`{name: input width}` of the query/key/value kernels that already exist
+        (empty while `init` has not created them yet)."""
+        params = self.variables.get("params", {})
+        widths = {}
+        for name in ("query", "key", "value"):
+            kernel = params.get(name, {}).get("kernel")
+            if kernel is not None:
+                widths[name] = nn.meta.unbox(kernel).shape[0]  # (d_in, features)
+        return widths
+
     def _dense(self, features: int, name: str, use_bias: bool, out: bool = False) -> nn.Dense:
         return nn.Dense(
             features, use_bias=use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
@@ -108,10 +124,18 @@ class MultiHeadAttention(nn.Module):
 
     def _cache(self, k: jax.Array, v: jax.Array) -> _layer.Cache | None:
         """The cache to decode with, or None when not decoding or while `init`
-        creates it (flax's rule: the first call runs the plain forward pass)."""
+        creates it (flax's rule: the first call runs the plain forward pass).
+
+        Raises:
+          ValueError: when decoding outside `init` without a cache (`apply` would
+            otherwise run a plain non-causal pass and create a 1-token cache).
+        """
         if not self.decode:
             return None
         initialized = self.has_variable("cache", "cached_key")
+        if not initialized and not self.is_initializing():
+            raise ValueError('decode=True needs the "cache" collection from init (with an input of the maximum '
+                             'length): apply({"params": params, "cache": cache}, x, mutable=["cache"])')
         key = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
         value = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
         index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
@@ -173,10 +197,12 @@ class MultiHeadAttention(nn.Module):
 
         Raises:
           ValueError: naming the numbers, for indivisible head counts, a key/value
-            length or batch mismatch, inputs of rank < 2, a bad mask/head_mask, or
-            decoding past the cache.
+            length or batch mismatch, inputs of rank < 2, input widths other than the
+            existing kernels', a bad mask/head_mask, decoding past the cache, or
+            decoding without the cache from `init`.
         """
         key, value = _layer.check_inputs(query, key, value)
+        _layer.check_widths({"query": query, "key": key, "value": value}, self._built_widths())
         d_model = self.d_model if self.d_model is not None else query.shape[-1]
         kv_heads, head_dim = _layer.head_sizes(self.num_heads, d_model, self.num_kv_heads)
         q = split_heads(self._dense(d_model, "query", self.qkv_bias)(query), self.num_heads)  # (B…, H, N, D)
@@ -215,6 +241,10 @@ class FeedForward(nn.Module):
     param_dtype: Any = jnp.float32
     precision: Any = None
 
+    def __post_init__(self):
+        _layer.check_dropout_rate(self.dropout_rate)
+        super().__post_init__()
+
     @nn.compact
     def __call__(self, x: jax.Array, *, deterministic: bool = True) -> jax.Array:
         """`(B…, N, d_model) -> (B…, N, d_model)`."""
@@ -246,6 +276,7 @@ class TransformerBlock(nn.Module):
       num_kv_heads: key/value heads (GQA/MQA); default H.
       dropout_rate: dropout on the residual branches and inside the feed-forward.
       attention_dropout_rate: dropout on the attention weights.
+        (Both in [0, 1), checked at construction: a `ValueError` names the value.)
       pre_norm: LayerNorm before each sub-layer instead of after the residual.
       dtype, param_dtype: computation and parameter dtypes.
       precision: precision of every projection (attention and feed-forward).
@@ -268,6 +299,11 @@ class TransformerBlock(nn.Module):
     rope: bool = False
     rope_base: float = 10000.0
     sow_weights: bool = False
+
+    def __post_init__(self):
+        _layer.check_dropout_rate(self.dropout_rate)
+        _layer.check_dropout_rate(self.attention_dropout_rate, "attention_dropout_rate")
+        super().__post_init__()
 
     @nn.compact
     def __call__(

@@ -50,7 +50,8 @@ class MultiHeadAttention(nnx.Module):
       add_bias_kv, add_zero_attn: as in the linen module.)
 
     Raises:
-      ValueError: naming the numbers, for indivisible head counts.
+      ValueError: naming the numbers, for indivisible head counts or a
+        `dropout_rate` outside [0, 1).
     """
 
     def __init__(
@@ -84,6 +85,7 @@ class MultiHeadAttention(nnx.Module):
         add_zero_attn: bool = False,
         rngs: nnx.Rngs,
     ):
+        _layer.check_dropout_rate(dropout_rate)
         self.num_heads = num_heads
         self.d_model = _first(d_model, in_features)
         self.num_kv_heads, self.head_dim = _layer.head_sizes(num_heads, self.d_model, num_kv_heads)
@@ -176,10 +178,8 @@ class MultiHeadAttention(nnx.Module):
           `(B…, N, out_features)`, or `(out, weights (B…, H, N, S))`.
         """
         key, value = _layer.check_inputs(query, key, value)
-        for name, x in (("query", query), ("key", key), ("value", value)):
-            if x.shape[-1] != getattr(self, name).in_features:
-                raise ValueError(f"{name} has {x.shape[-1]} features, the module was built for "
-                                 f"{getattr(self, name).in_features} (shape {x.shape})")
+        _layer.check_widths({"query": query, "key": key, "value": value},
+                            {name: getattr(self, name).in_features for name in ("query", "key", "value")})
         q = split_heads(self.query(query), self.num_heads)  # (B…, H, N, D)
         k = split_heads(self.key(key), self.num_kv_heads)  # (B…, K, S, D)
         v = split_heads(self.value(value), self.num_kv_heads)  # (B…, K, S, D)
@@ -207,6 +207,7 @@ class FeedForward(nnx.Module):
 
     def __init__(self, d_model: int, d_ff: int, *, dropout_rate: float = 0.0, deterministic: bool = True,
                  dtype: Any = None, param_dtype: Any = jnp.float32, precision: Any = None, rngs: nnx.Rngs):
+        _layer.check_dropout_rate(dropout_rate)
         linear = lambda d_in, d_out: nnx.Linear(d_in, d_out, dtype=dtype, param_dtype=param_dtype,
                                                 precision=precision, rngs=rngs)
         self.hidden, self.output = linear(d_model, d_ff), linear(d_ff, d_model)
@@ -229,6 +230,9 @@ class TransformerBlock(nnx.Module):
         rope_base, sow_weights: as in the linen block.
       deterministic: the default of the call's `deterministic` (`train()` sets False).
       rngs: `nnx.Rngs` for the initialisers and dropout.
+
+    Raises:
+      ValueError: for a `dropout_rate` or `attention_dropout_rate` outside [0, 1).
     """
 
     def __init__(
@@ -238,6 +242,8 @@ class TransformerBlock(nnx.Module):
         implementation: str | None = "xla", decode: bool = False, normalize_qk: bool = False, rope: bool = False,
         rope_base: float = 10000.0, sow_weights: bool = False, rngs: nnx.Rngs,
     ):
+        _layer.check_dropout_rate(dropout_rate)
+        _layer.check_dropout_rate(attention_dropout_rate, "attention_dropout_rate")
         self.pre_norm = pre_norm
         self.attention = MultiHeadAttention(
             num_heads, d_model, num_kv_heads=num_kv_heads, dropout_rate=attention_dropout_rate,

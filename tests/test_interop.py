@@ -114,6 +114,10 @@ def torch_cases():
         "causal_no_bias": (dict(bias=False), dict(), "causal"),
         "cross_kdim_vdim_padded": (dict(kdim=11, vdim=13), dict(), "padded"),
         "bias_kv_zero_attn_float_mask": (dict(add_bias_kv=True, add_zero_attn=True), dict(), "float+padded"),
+        # Everything at once: cross-attention from other widths, both extra keys, causal + padding, no biases.
+        "cross_kdim_vdim_bias_kv_zero_attn_causal_padded_no_bias": (
+            dict(kdim=11, vdim=13, add_bias_kv=True, add_zero_attn=True, bias=False), dict(), "causal+padded"
+        ),
     }
 
 
@@ -133,11 +137,11 @@ def test_outputs_equal_torch_multihead_attention(rng, case):
         if cross else (query, query)
     length = S if cross else N
     attn_mask = key_padding_mask = None
-    if masks in ("causal", "float+padded"):
+    if masks in ("causal", "float+padded", "causal+padded"):
         attn_mask = ~np.asarray(causal_mask(N, length))  # torch: True = blocked
     if masks == "float+padded":
         attn_mask = np.where(attn_mask, -np.inf, 0.1 * rng.standard_normal((N, length))).astype(np.float32)
-    if masks in ("padded", "float+padded"):
+    if masks in ("padded", "float+padded", "causal+padded"):
         key_padding_mask = np.arange(length)[None] >= np.array([[length], [3]])
     if masks == "float+padded":
         key_padding_mask = np.where(key_padding_mask, -np.inf, 0.0).astype(np.float32)  # torch wants one type

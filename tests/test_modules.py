@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_mha import MultiHeadAttention, TransformerBlock, causal_mask, padding_mask
+from jax_mha import FeedForward, MultiHeadAttention, TransformerBlock, causal_mask, padding_mask
 from jax_mha._projection import projection_dot_general
 
 # B, N, S, H, D: distinct primes; d_model = H * D.
@@ -279,6 +279,28 @@ def test_module_dropout(rng):
     assert not np.allclose(drop(1), drop(2), atol=1e-3)
 
 
+BAD_RATES = [2.0, 1.0, -0.1, float("nan"), True, "0.1"]
+
+
+@pytest.mark.parametrize("rate", BAD_RATES, ids=repr)
+@pytest.mark.parametrize("make", [
+    lambda r: MultiHeadAttention(num_heads=H, dropout_rate=r),
+    lambda r: FeedForward(d_ff=7, dropout_rate=r),
+    lambda r: TransformerBlock(num_heads=H, d_ff=7, dropout_rate=r),
+], ids=["mha", "ffn", "block"])
+def test_dropout_rate_outside_zero_one_raises_at_construction(make, rate):
+    # A rate >= 1 used to give all-zero outputs with deterministic=False, silently.
+    with pytest.raises(ValueError, match=re.escape(f"0 <= dropout_rate < 1, got {rate!r}")):
+        make(rate)
+
+
+def test_attention_dropout_rate_of_the_block_is_checked_and_good_rates_pass():
+    with pytest.raises(ValueError, match=re.escape("0 <= attention_dropout_rate < 1, got 1.5")):
+        TransformerBlock(num_heads=H, d_ff=7, attention_dropout_rate=1.5)
+    block = TransformerBlock(num_heads=H, d_ff=7, dropout_rate=np.float32(0.5), attention_dropout_rate=0)
+    assert block.clone(dropout_rate=0.0).dropout_rate == 0.0  # clone re-validates, valid rates pass
+
+
 # -------------------------------------------------------------------------- bfloat16
 
 
@@ -467,6 +489,26 @@ def test_module_input_errors(rng):
         MultiHeadAttention(num_heads=H, implementation="fast").apply(params, x)
 
 
+def test_input_width_other_than_the_kernels_raises(rng):
+    # Not flax's ScopeParamShapeError naming kernel shapes: the NNX twin's message.
+    x, memory = normal(rng, (B, N, D_MODEL)), normal(rng, (B, S, 13))
+    model = MultiHeadAttention(num_heads=H)
+    params = init_params(model, x, memory)
+    assert params["params"]["key"]["kernel"].shape == (13, D_MODEL)
+    with pytest.raises(ValueError, match=re.escape("query has 31 features, the module was built for 33 (shape (2, 5, 31))")):
+        model.apply(params, normal(rng, (B, N, 31)), memory)
+    with pytest.raises(ValueError, match=re.escape("key has 33 features, the module was built for 13")):
+        model.apply(params, x)  # key defaults to query
+    with pytest.raises(ValueError, match=re.escape("value has 17 features, the module was built for 13")):
+        model.apply(params, x, memory, normal(rng, (B, S, 17)))
+    with pytest.raises(ValueError, match=re.escape("query has 31 features, the module was built for 33")):
+        jax.jit(lambda p, q: model.apply(p, q, memory))(params, normal(rng, (B, N, 31)))
+    block = TransformerBlock(num_heads=H, d_ff=7)
+    block_params = init_params(block, x)
+    with pytest.raises(ValueError, match=re.escape("query has 31 features, the module was built for 33")):
+        block.apply(block_params, normal(rng, (B, N, 31)))
+
+
 # ------------------------------------------------------------- decoding with a cache
 
 
@@ -550,6 +592,24 @@ def test_decoding_past_the_cache(rng):
     assert np.all(np.isnan(y))
     with pytest.raises(ValueError, match=re.escape("decoding key of shape (3, 3, 1, 11) does not fit the cache")):
         apply(cache, normal(rng, (3, 1, D_MODEL)))
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["mha", "block"])
+def test_decoding_without_the_cache_from_init_raises(rng, block):
+    # It used to run a plain non-causal pass and create a 1-token cache.
+    L = 5
+    x = normal(rng, (B, L, D_MODEL))
+    model = TransformerBlock(num_heads=H, d_ff=7, decode=True) if block else MultiHeadAttention(num_heads=H, decode=True)
+    params, cache = decode_variables(model, x)
+    msg = 'decode=True needs the "cache" collection from init (with an input of the maximum length)'
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        model.apply({"params": params}, x[:, :1], mutable=["cache"])
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        model.apply({"params": params}, x[:, :1])
+    y, mutated = model.apply({"params": params, "cache": cache}, x[:, :1], mutable=["cache"])  # with it: fine
+    assert y.shape == (B, 1, D_MODEL)
+    index = mutated["cache"]["attention"]["cache_index"] if block else mutated["cache"]["cache_index"]
+    assert index == 1
 
 
 # -------------------------------------------------------------------------------- RoPE

@@ -110,3 +110,20 @@ def test_parameter_conversion_errors():
         model(jnp.ones((B, N, D_MODEL)), jnp.ones((B, 3, 7)))
     with pytest.raises(ValueError, match=re.escape("num_heads=6 is not divisible by num_kv_heads=4")):
         jnnx.MultiHeadAttention(H, D_MODEL, num_kv_heads=4, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("rate", [2.0, 1.0, -0.1, float("nan"), True], ids=repr)
+@pytest.mark.parametrize("make", [
+    lambda r: jnnx.MultiHeadAttention(H, D_MODEL, dropout_rate=r, rngs=nnx.Rngs(0)),
+    lambda r: jnnx.FeedForward(D_MODEL, 7, dropout_rate=r, rngs=nnx.Rngs(0)),
+    lambda r: jnnx.TransformerBlock(D_MODEL, H, 7, dropout_rate=r, rngs=nnx.Rngs(0)),
+], ids=["mha", "ffn", "block"])
+def test_dropout_rate_outside_zero_one_raises_at_construction(make, rate):
+    # A rate >= 1 used to give all-zero outputs in train(), silently.
+    with pytest.raises(ValueError, match=re.escape(f"0 <= dropout_rate < 1, got {rate!r}")):
+        make(rate)
+
+
+def test_attention_dropout_rate_of_the_block_is_checked():
+    with pytest.raises(ValueError, match=re.escape("0 <= attention_dropout_rate < 1, got 1.5")):
+        jnnx.TransformerBlock(D_MODEL, H, 7, attention_dropout_rate=1.5, rngs=nnx.Rngs(0))
