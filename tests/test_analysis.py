@@ -331,3 +331,27 @@ def test_offset_profile_matches_loop(setup):
     # Unmasked, on one layer: every query counts.
     one = np.asarray(analysis.offset_profile(jnp.asarray(weights[0])))
     np.testing.assert_allclose(one[:, 0], np.diagonal(weights[0], axis1=-2, axis2=-1).mean((0, 2)), rtol=1e-5)
+
+
+def test_bpc_criterion_oracle_ranks_by_loss_rise(setup):
+    """The LM's rule: the oracle removes the head whose removal raises the loss least,
+    and every step inside the rule keeps the loss within 1 % of the unpruned model."""
+    model, params, batch = setup
+    _, loss_up = analysis._ablation(params, model, batch, jnp.ones((LAYERS, HEADS)), None)
+    result = analysis.prune_heads_iteratively(params, model, batch, order="oracle", criterion="loss", max_drop=0.01,
+                                              run_to_end=True)
+    assert result.steps[1].removed == [divmod(int(np.argmin(np.asarray(loss_up))), HEADS)]
+    base = result.steps[0].loss
+    for step in result.steps[1:]:
+        assert step.within_rule == (step.loss <= base * 1.01)
+    first_out = next((s.num_pruned for s in result.steps if not s.within_rule), np.inf)
+    assert result.heads_prunable == max(s.num_pruned for s in result.steps if s.within_rule and s.num_pruned < first_out)
+
+
+def test_split_bpc_is_the_count_weighted_mean(setup):
+    model, params, batch = setup
+    stacked = jax.tree.map(lambda x: jnp.stack([x, x.at[:, :4].set(False) if x.dtype == bool else x]), batch)
+    losses = [float(scored_loss(apply(params, b["inputs"]), b)[0]) for b in (batch, jax.tree.map(lambda x: x[1], stacked))]
+    counts = np.asarray(stacked["scored"].sum((1, 2)), float)
+    expected = (losses[0] * counts[0] + losses[1] * counts[1]) / counts.sum() / np.log(2)
+    np.testing.assert_allclose(analysis.split_bpc(params, model, stacked), expected, rtol=1e-5)

@@ -59,7 +59,14 @@ BAD_ARGUMENTS = [
     ("head_ablation", ["--mesh", "data=x"], "mesh axis 'data' needs a positive integer size"),
     ("head_ablation", ["--mesh", "data=1,model=2"], "data=1 x model=2 needs 2 devices, only 1 available"),
     ("head_ablation", ["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
-    ("head_ablation", ["--task", "lm"], "argument --task: invalid choice: 'lm'"),
+    ("head_ablation", ["--task", "bogus"], "argument --task: invalid choice: 'bogus'"),
+    ("head_ablation", ["--task", "lm", "--length", "5"], "--length and --reverse are copy-task options"),
+    ("head_ablation", ["--seq-len", "8"], "--seq-len and --text need --task lm"),
+    ("head_ablation", ["--task", "lm", "--seq-len", "0"], "argument --seq-len: 0 is not an integer >= 1"),
+    ("head_ablation", ["--task", "lm", "--seq-len", "100000"], "is too short"),
+    ("head_ablation", ["--task", "lm", "--text", "missing.txt"], "text file 'missing.txt' does not exist"),
+    ("head_pruning", ["--task", "lm", "--preset", "tiny", "--text", "missing.txt"], "'missing.txt' does not exist"),
+    ("head_pruning", ["--text", "a.txt"], "--text a.txt needs --task lm"),
     ("head_pruning", ["--score-size", "0"], "argument --score-size: 0 is not an integer >= 1"),
     ("head_pruning", ["--eval-size", "0"], "argument --eval-size: 0 is not an integer >= 1"),
     ("head_pruning", ["--max-drop", "5"], r"argument --max-drop: 5 is not in [0, 1]"),
@@ -148,6 +155,10 @@ def test_help_lists_every_preset(outcomes):
         for name, fragment in (("quick", "d_model=64"), ("full", "d_model=256"), ("tiny", "d_model=8")):
             line = next(l for l in text.splitlines() if l.strip().startswith(name + " "))
             assert fragment in line and "the model reads T=" in line and "steps" in line, line
+        lm = text.split("presets with --task lm:", 1)[1]
+        for name, fragment in (("quick", "d_model=64"), ("full", "d_model=128"), ("tiny", "d_model=8")):
+            line = next(l for l in lm.splitlines() if l.strip().startswith(name + " "))
+            assert fragment in line and "character LM" in line and "bpc" in line, line
 
 
 def _children(pid: int) -> list[int]:

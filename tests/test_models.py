@@ -63,3 +63,29 @@ def test_greedy_generate_checks_its_inputs(params):
         greedy_generate(params, model, jnp.full((2, 4), 12), 1)
     with pytest.raises(ValueError, match=r"prompt must be int \(B, P\)"):
         greedy_generate(params, model, jnp.ones((4,), jnp.int32), 1)
+
+
+def test_generate_through_the_cache_equals_greedy_without_it(params):
+    from jax_mha.models import generate
+
+    model = Decoder(CONFIG)
+    prompt = jnp.array([[1, 2, 3], [4, 5, 6]])
+    np.testing.assert_array_equal(generate(params, model, prompt, 9), greedy_generate(params, model, prompt, 9))
+
+
+def test_generate_samples_with_temperature(params):
+    from jax_mha.models import generate
+
+    model, prompt = Decoder(CONFIG), jnp.array([[1, 2], [3, 4]])
+    a = generate(params, model, prompt, 11, temperature=1.5, key=jax.random.key(0))
+    b = generate(params, model, prompt, 11, temperature=1.5, key=jax.random.key(0))
+    c = generate(params, model, prompt, 11, temperature=1.5, key=jax.random.key(1))
+    np.testing.assert_array_equal(a, b)  # reproducible from the key
+    assert not np.array_equal(a, c) and a.shape == (2, 13) and int(a.max()) < CONFIG.vocab_size
+    np.testing.assert_array_equal(a[:, :2], prompt)
+    with pytest.raises(ValueError, match="pass key"):
+        generate(params, model, prompt, 3, temperature=0.5)
+    with pytest.raises(ValueError, match="temperature must be"):
+        generate(params, model, prompt, 3, temperature=-1.0)
+    with pytest.raises(ValueError, match="max_len=13"):
+        generate(params, model, prompt, 12)

@@ -191,3 +191,52 @@ def test_batch_errors():
         make_text_batch(key, jnp.arange(20), cfg, 0)
     with pytest.raises(TypeError, match="text must be a str, got bytes"):
         corpus_from_text(b"abc")
+
+
+# ----------------------------------------------------------------- the "lm" task the trainer consumes
+
+LM_TEXT = "The cat sat. A dog ran far away, and the cat sat still. " * 3  # 168 chars, vocab of 19
+
+
+@pytest.fixture(scope="module")
+def lm_task(tmp_path_factory):
+    path = tmp_path_factory.mktemp("lm") / "text.txt"
+    path.write_text(LM_TEXT, encoding="utf-8")
+    return TextTaskConfig(seq_len=7, validation_fraction=0.25, text_file=str(path))
+
+
+def test_lm_task_is_a_registered_task_and_round_trips(lm_task):
+    from jax_mha.data import TASKS, task_from_dict, task_to_dict
+
+    assert TASKS["lm"] is TextTaskConfig and lm_task.stop_metric is None  # never stops early
+    data = task_to_dict(lm_task)
+    assert data == {"name": "lm", "seq_len": 7, "validation_fraction": 0.25, "text_file": lm_task.text_file}
+    assert task_from_dict(data) == lm_task and hash(task_from_dict(data)) == hash(lm_task)
+    assert lm_task.corpus is lm_task.corpus  # loaded once, cached per config
+    assert lm_task.vocab_size == len(set(LM_TEXT))
+
+
+def test_lm_task_batches_are_windows_of_their_split(lm_task):
+    corpus, t = lm_task.corpus, lm_task.seq_len
+    train = corpus.decode(corpus.train)
+    batch = jax.jit(lm_task.batch, static_argnums=1)(jax.random.key(3), 5)
+    chex.assert_shape([batch["inputs"], batch["targets"]], (5, t))
+    for row_in, row_out in zip(np.asarray(batch["inputs"]), np.asarray(batch["targets"])):
+        assert corpus.decode(row_in) + corpus.decode(row_out)[-1:] in train
+    val = lm_task.eval_batch(None, 3)  # evenly spaced: the first and the last window of the split
+    validation = np.asarray(corpus.validation)
+    np.testing.assert_array_equal(val["inputs"][0], validation[:t])
+    np.testing.assert_array_equal(val["targets"][-1], validation[-t:])
+    assert bool(val["scored"].all())
+
+
+def test_lm_eval_metric_is_bits_per_character_by_hand(lm_task):
+    """bpc from hand-made logits: -log2 softmax at the targets, averaged in float64."""
+    batch = {"targets": jnp.array([[0, 2], [1, 1]]), "scored": jnp.array([[True, True], [True, False]])}
+    logits = jnp.array([[[2.0, 0.0, 0.0], [0.0, 0.0, 1.0]], [[1.0, 3.0, 0.0], [9.0, 9.0, 9.0]]])
+    p = lambda row, k: math.exp(row[k]) / sum(math.exp(v) for v in row)
+    expected = -(math.log2(p([2, 0, 0], 0)) + math.log2(p([0, 0, 1], 2)) + math.log2(p([1, 3, 0], 1))) / 3
+    got = lm_task.eval_metrics(None, logits, batch)["bpc"]
+    np.testing.assert_allclose(float(got), expected, rtol=1e-6)
+    uniform = lm_task.eval_metrics(None, jnp.zeros((2, 2, 3)), batch)["bpc"]
+    np.testing.assert_allclose(float(uniform), math.log2(3), rtol=1e-6)

@@ -1,0 +1,86 @@
+"""`--task lm` end to end on the tiny preset: the ablation as a command (a subprocess
+under a timeout) writes bpc, head-type tables and samples; the attention maps and the
+pruning study then find its checkpoint and run in-process.
+
+Everything runs in one temporary working directory, so the default output folders
+(results/head_ablation/lm-tiny, ...) are the ones exercised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import contextlib
+import io
+
+from experiments import attention_maps, head_pruning
+from jax_mha.head_types import HEAD_TYPES
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ARGS = ["--task", "lm", "--preset", "tiny", "--no-progress"]
+
+
+def run_in(cwd: Path, main, argv) -> tuple[object, str]:
+    """`main(argv)` with `cwd` as the working directory; `(result, stdout)`."""
+    out, old = io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out):
+            result = main(argv)
+    finally:
+        os.chdir(old)
+    return result, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """Runs `python -m experiments.head_ablation --task lm --preset tiny --heads 4`."""
+    cwd = tmp_path_factory.mktemp("lm")
+    proc = subprocess.run([sys.executable, "-m", "experiments.head_ablation", *ARGS, "--heads", "4"],
+                          cwd=cwd, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return cwd, proc.stdout
+
+
+def test_ablation_writes_bpc_head_types_and_samples(workdir):
+    cwd, stdout = workdir
+    out = cwd / "results" / "head_ablation" / "lm-tiny"
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["task"]["name"] == "lm"
+    record = results["heads"]["4"]
+    assert record["stop_reason"] == "step limit" and record["tokens_per_second"] > 0
+    for run in record["runs"]:
+        assert 0 < run["final_bpc"] < 8 and run["steps_to_target"] is None
+        assert len(run["eval_curve"]["bpc"]) == len(run["eval_curve"]["step"]) == 2
+        assert len(run["head_types"]) == 4 and {r["type"] for r in run["head_types"]} <= set(HEAD_TYPES)
+        assert sum(run["head_type_counts"].values()) == 4
+    lines = results["samples"]["lines"]
+    assert {l["sampling"] for l in lines} == {"greedy", "temperature 0.8"} and all(l["continuation"] for l in lines)
+    table = (out / "head_types.md").read_text()
+    assert table.count("\n| 4 | ") == 8  # 2 seeds x 4 heads, one row each
+    assert "validation bpc" in (out / "summary.md").read_text() and "validation bpc" in stdout
+    for png in ("bpc_curves.png", "bpc_vs_heads.png", "head_types/h4_seed0.png", "head_types/h4_seed1.png"):
+        assert (out / png).read_bytes().startswith(PNG_MAGIC), png
+
+
+def test_attention_maps_and_pruning_use_the_ablation_model(workdir):
+    cwd, _ = workdir
+    maps, stdout = run_in(cwd, attention_maps.main, [*ARGS, "--heads", "4"])
+    assert "results/head_ablation/lm-tiny/checkpoints/h4_seed0.msgpack" in stdout
+    assert maps["sentence"][0].isupper() and len(maps["sentence"]) == 16
+    assert (cwd / "results/attention_maps/lm-tiny/h4_layer0.png").read_bytes().startswith(PNG_MAGIC)
+    pruned, stdout = run_in(cwd, head_pruning.main, [*ARGS, "--heads", "4"])
+    assert pruned["config"]["criterion"] == "loss" and pruned["total_heads"] == 4
+    for order in ("importance", "oracle"):
+        survivors = pruned["survivors"][order]
+        assert len(survivors["heads"]) == 4 - pruned["heads_prunable"][order]
+        assert survivors["bpc"] <= pruned["base_bpc"] * 1.01 + 1e-6
+    assert "heads pruned before bpc rose > 1 %" in stdout
