@@ -190,8 +190,8 @@ def lm_main(args, spec: common.ModelSpec) -> dict:
         for l in range(m.config.num_layers):
             save_figure(plotting.attention_grid(
                 weights[l], tokens, labels=labels, titles=titles[l], ncols=min(4, m.config.num_heads),
-                suptitle=(f"Layer {l} of the {m.config.num_heads}-head character LM ({common.describe_model(m.config, m.task).split(' x ')[0]}, "
-                          f"d_model={m.config.d_model}): a held-out sentence (validation topics of the Python "
+                suptitle=(f"Layer {l} of the {m.config.num_heads}-head character LM ({m.config.num_layers} "
+                          f"layer{'s' if m.config.num_layers > 1 else ''}, d_model={m.config.d_model}): a held-out sentence (validation topics of the Python "
                           f"reference)\nrows: query character, columns: key character; head type measured on "
                           f"validation text (trained on {machine})")),
                 args.out / f"h{m.config.num_heads}_layer{l}.png")
