@@ -7,6 +7,18 @@ accuracy and per-head attention entropy.
     python -m experiments.head_ablation                   # quick preset, about a minute on 2 CPU cores
     python -m experiments.head_ablation --preset full     # d_model=256, 3 seeds, 8-18 min on 2 CPU cores
     python -m experiments.head_ablation --heads 1 8 --seeds 2 --steps 3000 --d-model 128 --out DIR
+    python -m experiments.head_ablation --task lm                 # character LM, h = 1 … 16, 3 seeds (see below)
+    python -m experiments.head_ablation --task lm --preset full   # d_model=128, T=128: about 5 hours on 2 CPU cores
+    python -m experiments.head_ablation --task lm --text FILE     # your own UTF-8 corpus
+
+With --task lm (issue 10, "Heads on real text") the models are character language
+models of the Python Language Reference (`jax_mha.text`); there is no early stopping.
+After training, every model is measured on the whole validation split (bits per
+character) and its heads are typed (`jax_mha.head_types`): results.json,
+summary.md (bpc and head-type counts per head count), head_types.md (every head),
+head_types/h{H}_seed{S}.png, bpc_curves.png, bpc_vs_heads.png, and sample lines of
+the best model (greedy and temperature 0.8, through the KV cache). Output goes to
+results/head_ablation/lm-<preset>/.
 
 Results go to --out (default results/head_ablation/<preset>/): results.json,
 summary.md, learning_curves.png, accuracy_vs_heads.png, entropy_per_head.png, and one
@@ -462,7 +474,10 @@ def head_type_markdown(results: dict) -> str:
 
 def plot_lm_results(results: dict, out: Path) -> None:
     """bpc_curves.png and bpc_vs_heads.png."""
-    machine = f"{results['metadata']['cpu']}, {results['metadata']['cpu_count']} cores"
+    c, m = results["config"], results["config"]["model"]
+    machine = (f"char LM, d_model={m['d_model']}, {m['num_layers']} layers, T={c['task']['seq_len']}, "
+               f"{c['num_seeds']} seeds, {c['train']['num_steps']} steps; {results['metadata']['cpu']}, "
+               f"{results['metadata']['cpu_count']} cores")
     curves = {int(k): {"step": r["runs"][0]["eval_curve"]["step"], "head_dim": r["head_dim"],
                        "bpc": [run["eval_curve"]["bpc"] for run in r["runs"]]} for k, r in results["heads"].items()}
     save_figure(plotting.bpc_curves(curves, title=f"Validation bpc during training ({len(curves)} head counts)\n"

@@ -452,7 +452,7 @@ def head_type_heatmap(scores: Mapping[str, np.ndarray], labels: np.ndarray, *, s
             ax.text(h, l, text, ha="center", va="center", fontsize=6.5, color="white" if values[l, h] < 0.6 else "black")
         ax.set_yticks(range(n_layers), [f"layer {l}" for l in range(n_layers)])
         ax.set_xticks(range(n_heads), [str(h) for h in range(n_heads)])
-        ax.set_title(name.replace("_", " ") + " score", fontsize=9)
+        ax.set_title(name.replace("_", " ") + ("" if "entropy" in name else " score"), fontsize=9)
         fig.colorbar(image, ax=ax, fraction=0.03, pad=0.02)
     axes[-1, 0].set_xlabel("head (cell: score, then the head's type)")
     fig.suptitle(suptitle, fontsize=10)
