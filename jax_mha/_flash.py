@@ -157,7 +157,8 @@ def _key_loop(plan: Plan, a: Arrays, i0, body, init, remat: bool = False):
         j = start + t
         return lax.cond((j >= lo) & (j < hi), lambda c: body(j, c), lambda c: c, carry), None
 
-    return lax.scan(jax.checkpoint(step) if remat else step, init, jnp.arange(plan.band))[0]
+    step = jax.checkpoint(step, policy=jax.checkpoint_policies.nothing_saveable) if remat else step
+    return lax.scan(step, init, jnp.arange(plan.band))[0]
 
 
 def _forward_rows(plan: Plan, a: Arrays, r):
@@ -196,20 +197,49 @@ def _forward_rows(plan: Plan, a: Arrays, r):
 
 def _forward(plan: Plan, a: Arrays):
     """`(out (B, K, R, Dv), lse (B, K, R), touched (B, K, R))`."""
-    out, lse, touched = lax.map(functools.partial(_forward_rows, plan, a), jnp.arange(plan.num_row_blocks))
-    return _unblock(out, 3), _unblock(lse, 3), _unblock(touched, 3)
+    b, k = a.q.shape[:2]
+
+    def block(f):
+        return _forward_rows(plan, _head(a, f // plan.num_row_blocks, k), f % plan.num_row_blocks)
+
+    out, lse, touched = lax.map(block, jnp.arange(b * k * plan.num_row_blocks))
+    return tuple(_unstack(x, b, k) for x in (out, lse, touched))
 
 
-def _unblock(x: jax.Array, row_axis: int) -> jax.Array:
-    """`(nr, B, K, bq, …) -> (B, K, nr·bq, …)`."""
-    x = jnp.moveaxis(x, 0, row_axis - 1)
-    return x.reshape(x.shape[: row_axis - 1] + (-1,) + x.shape[row_axis + 1 :])
+def _head(a: Arrays, h, num_kv_heads: int) -> Arrays:
+    """The arrays of key/value head `h` of the flattened `B·K`, with B = K = 1.
+
+    The engine runs one head's query block at a time (one flat loop over heads and
+    blocks): XLA:CPU runs a plain 2-D matmul on its fast kernel but a batched one (all
+    B·K heads at once) 1.5-2x slower, and one head's score block stays in cache. A
+    single flat loop (rather than a loop over heads around a loop over blocks) keeps
+    every step dependent on its index, so JAX's partial evaluation never hoists
+    head-invariant block work out of the rematerialised backward into O(N·S) arrays.
+    """
+    return Arrays(*(_head_of(h // num_kv_heads, h % num_kv_heads, x) for x in a))
 
 
-def _blocks(x: jax.Array, plan: Plan, row_axis: int) -> jax.Array:
-    """`(B, K, R, …) -> (nr, B, K, bq, …)`: the inverse of `_unblock`."""
-    x = x.reshape(x.shape[:row_axis] + (plan.num_row_blocks, plan.q_block) + x.shape[row_axis + 1 :])
-    return jnp.moveaxis(x, row_axis, 0)
+def _head_of(b_index, k_index, x):
+    """Batch entry `b_index`, key/value head `k_index` of a `(B|1, K|1, …)` array
+    (lengths: `(B|1, 1, 1, 1)`), keeping size-1 axes: `(1, 1, …)`."""
+    if x is None:
+        return None
+    if x.shape[0] != 1:
+        x = lax.dynamic_slice_in_dim(x, b_index, 1, axis=0)
+    if x.shape[1] != 1:
+        x = lax.dynamic_slice_in_dim(x, k_index, 1, axis=1)
+    return x
+
+
+def _stack(x: jax.Array, plan: Plan) -> jax.Array:
+    """`(B, K, R, …) -> (B·K·nr, 1, 1, bq, …)`: one entry per step of the flat loop
+    (a reshape: rows are contiguous after B and K)."""
+    return x.reshape((-1, 1, 1, plan.q_block) + x.shape[3:])
+
+
+def _unstack(x: jax.Array, b: int, k: int) -> jax.Array:
+    """`(B·K·nr, 1, 1, bq, …) -> (B, K, R, …)`."""
+    return x.reshape((b, k, -1) + x.shape[4:])
 
 
 # ---------------------------------------------------------------------------------
@@ -268,12 +298,22 @@ def _tangent_rows(plan: Plan, a: Arrays, da: Arrays, block):
 
 def _tangent(plan: Plan, a: Arrays, da: Arrays, out, lse):
     """`(d out (B, K, R, Dv), d lse (B, K, R))`, linear in the tangents `da`."""
-    dq_blocks = None if da.q is None else _blocks(da.q, plan, 2)
-    xs = (jnp.arange(plan.num_row_blocks), _blocks(a.q, plan, 2), dq_blocks,
-          _blocks(out, plan, 2), _blocks(lse, plan, 2))
-    body = functools.partial(_tangent_rows, plan, a, da)
-    d_out, d_lse = lax.map(body, xs)
-    return _unblock(d_out, 3), _unblock(d_lse, 3)
+    b, k = a.q.shape[:2]
+    heads = lambda x: None if x is None else x.reshape((b * k, 1, 1) + x.shape[2:])
+    rows = lambda x: None if x is None else _stack(x, plan)
+
+    def one_head(x):
+        h, q, k_, v, bad, dq, dk, dv, out_h, lse_h = x
+        pick = functools.partial(_head_of, h // k, h % k)
+        head = Arrays(q, k_, v, pick(a.bias), pick(a.mask), pick(a.q_len), pick(a.kv_len), bad)
+        dhead = Arrays(None, dk, dv, pick(da.bias), None, None, None, None)
+        xs = (jnp.arange(plan.num_row_blocks), rows(q), rows(dq), rows(out_h), rows(lse_h))
+        d_out, d_lse = lax.map(functools.partial(_tangent_rows, plan, head, dhead), xs)
+        return _unstack(d_out, 1, 1), _unstack(d_lse, 1, 1)
+
+    xs = (jnp.arange(b * k), *(heads(x) for x in (a.q, a.k, a.v, a.bad_kv, da.q, da.k, da.v, out, lse)))
+    d_out, d_lse = lax.map(one_head, xs)
+    return d_out.reshape(out.shape), d_lse.reshape(lse.shape)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
