@@ -189,7 +189,8 @@ def lm_main(args, spec: common.ModelSpec) -> dict:
         weights, titles, table = lm_titles(m, tokens)
         for l in range(m.config.num_layers):
             save_figure(plotting.attention_grid(
-                weights[l], tokens, labels=labels, titles=titles[l], ncols=min(4, m.config.num_heads),
+                weights[l], tokens, labels=labels, titles=titles[l], ncols=2 if m.config.num_heads <= 4 else 4,
+                label_fontsize=7.0, unit="character; ␣ space, ↵ newline",
                 suptitle=(f"Layer {l} of the {m.config.num_heads}-head character LM ({m.config.num_layers} "
                           f"layer{'s' if m.config.num_layers > 1 else ''}, d_model={m.config.d_model}): a held-out sentence (validation topics of the Python "
                           f"reference)\nrows: query character, columns: key character; head type measured on "

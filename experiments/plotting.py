@@ -45,6 +45,8 @@ def attention_grid(
     stripe_offset: int | None = None,
     cmap: str = "viridis",
     labels: Sequence[str] | None = None,
+    label_fontsize: float | None = None,
+    unit: str = "input token",
 ):
     """Per-head attention heatmaps for one sequence, a grid of subplots.
 
@@ -57,6 +59,9 @@ def attention_grid(
       stripe_offset: if set, a thin dashed guide on key = query − offset.
       cmap: colormap; one shared colorbar (0 to 1) for every panel.
       labels: `(T,)` axis labels instead of `token_labels(tokens)` (e.g. `char_labels`).
+      label_fontsize: points for the axis labels (default: smaller as T grows); the
+        panels grow with it so every label keeps its own row and column.
+      unit: what the axes count, in "query (unit)" and "key (unit)".
 
     Returns:
       the figure.
@@ -66,10 +71,10 @@ def attention_grid(
     n, t_len, _ = weights.shape
     ncols = max(1, min(ncols, n))
     nrows = -(-n // ncols)
-    size = 2.0 + 0.085 * t_len  # inches per panel: room for one label per token
+    fontsize = max(3.5, min(8.0, 260.0 / t_len)) if label_fontsize is None else label_fontsize
+    size = 2.0 + 0.085 * t_len * fontsize / max(3.5, min(8.0, 260.0 / t_len))  # inches per panel: one label per token
     fig, axes = plt.subplots(nrows, ncols, figsize=(size * ncols + 1.2, size * nrows + 0.9), squeeze=False)
     labels = token_labels(tokens) if labels is None else list(labels)
-    fontsize = max(3.5, min(8.0, 260.0 / t_len))
     image = None
     for i, ax in enumerate(axes.flat):
         if i >= n:
@@ -86,9 +91,9 @@ def attention_grid(
         ax.set_yticks(range(t_len), labels, fontsize=fontsize)
         ax.tick_params(length=1.5, pad=1)
         if i % ncols == 0:
-            ax.set_ylabel("query (input token)", fontsize=8)
+            ax.set_ylabel(f"query ({unit})", fontsize=8)
         if i // ncols == nrows - 1 or i + ncols >= n:
-            ax.set_xlabel("key (input token)", fontsize=8)
+            ax.set_xlabel(f"key ({unit})", fontsize=8)
     fig.suptitle(suptitle, fontsize=11)
     fig.tight_layout(rect=(0, 0, 0.93, 1))
     cax = fig.add_axes((0.945, 0.15, 0.012, 0.7))

@@ -108,8 +108,15 @@ def _row_origin(plan: Plan, r):
 
 
 def _key_blocks(plan: Plan, a: Arrays, i0):
-    """Key blocks `[lo, hi)` that query rows `i0 … i0 + q_block - 1` can see."""
+    """Key blocks `[lo, hi)` that query rows `i0 … i0 + q_block - 1` can see: by
+    causality and window, and by the lengths (keys past every sequence's
+    `kv_lengths` are masked; rows past every `q_lengths` see nothing). The engine
+    runs one batch entry at a time, so "every sequence" is that sequence."""
     lo, hi = key_range(_visibility(plan, a), i0, i0 + plan.q_block - 1, plan.s_pad)
+    if a.kv_len is not None:
+        hi = jnp.minimum(hi, jnp.max(a.kv_len))
+    if a.q_len is not None:
+        hi = jnp.where(i0 >= jnp.max(a.q_len), lo, hi)
     return lo // plan.k_block, (hi + plan.k_block - 1) // plan.k_block
 
 
@@ -141,21 +148,29 @@ def _F(plan: Plan):
 # ---------------------------------------------------------------------------------
 
 
-def _key_loop(plan: Plan, a: Arrays, i0, body, init, remat: bool = False):
-    """Runs `body(j, carry) -> carry` over the key blocks query rows `i0…` can see.
+def _key_loop(plan: Plan, a: Arrays, g, i0, body, init, remat: bool = False):
+    """Runs `body(j, carry) -> carry` over the key blocks query rows `i0…` of head
+    `g` can see.
 
     A scan of the static length `plan.band` starting at the first visible block,
-    each step under `lax.cond`, so blocks that causality or the window rule out cost
-    nothing, and the loop stays differentiable in every mode (a `fori_loop` with
-    traced bounds is not reverse-differentiable). `remat` rematerialises each step
-    in the backward pass (`jax.checkpoint`), so its residuals are O(block).
+    each step under `lax.cond`, so blocks that causality, the window, the lengths or
+    an all-False mask block rule out cost nothing, and the loop stays differentiable
+    in every mode (a `fori_loop` with traced bounds is not reverse-differentiable).
+    `remat` rematerialises each step in the backward pass (`jax.checkpoint`), so its
+    residuals are O(block).
     """
     lo, hi = _key_blocks(plan, a, i0)
     start = jnp.clip(lo, 0, plan.s_pad // plan.k_block - plan.band)
 
+    def visible(j):
+        ok = (j >= lo) & (j < hi)
+        if a.mask is not None:
+            ok = ok & jnp.any(_pair_block(a.mask, plan, g, i0, j * plan.k_block))
+        return ok
+
     def step(carry, t):
         j = start + t
-        return lax.cond((j >= lo) & (j < hi), lambda c: body(j, c), lambda c: c, carry), None
+        return lax.cond(visible(j), lambda c: body(j, c), lambda c: c, carry), None
 
     step = jax.checkpoint(step, policy=jax.checkpoint_policies.nothing_saveable) if remat else step
     return lax.scan(step, init, jnp.arange(plan.band))[0]
@@ -189,7 +204,7 @@ def _forward_rows(plan: Plan, a: Arrays, r):
         jnp.full(rows, -jnp.inf, _F(plan)), jnp.zeros(rows, _F(plan)),
         jnp.zeros(rows + (a.v.shape[-1],), _F(plan)), jnp.zeros(rows, bool),
     )
-    m, l, acc, touched = _key_loop(plan, a, i0, key_block, init)
+    m, l, acc, touched = _key_loop(plan, a, g, i0, key_block, init)
     empty = m == -jnp.inf
     out = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, l)[..., None])
     return out, jnp.where(empty, jnp.inf, m + jnp.log(l)), touched
@@ -292,7 +307,7 @@ def _tangent_rows(plan: Plan, a: Arrays, da: Arrays, block):
         return carry[0] + mixed, carry[1] + c
 
     init = (jnp.zeros(out_i.shape, _F(plan)), jnp.zeros(lse_i.shape, _F(plan)))
-    mixed, c = _key_loop(plan, a, i0, key_block, init, remat=True)
+    mixed, c = _key_loop(plan, a, g, i0, key_block, init, remat=True)
     return mixed - c[..., None] * out_i, c
 
 

@@ -45,9 +45,15 @@ def reference_weights(q, k, allowed=None, bias=None, *, scale: float):
     return weights, empty
 
 
+def mix(weights, v):
+    """`weights (B…, H, N, S) · v (B…, K, S, Dv) -> (B…, H, N, Dv)` in the weights'
+    dtype, v repeated per query head (query head h reads value head `h // (H // K)`)."""
+    v = jnp.repeat(v, weights.shape[-3] // v.shape[-3], axis=-3).astype(weights.dtype)  # (B…, H, S, Dv)
+    return jnp.einsum("...hns,...hsd->...hnd", weights, v)
+
+
 def reference_attention(q, k, v, allowed=None, bias=None, *, scale: float):
-    """`(out (B…, H, N, Dv), weights, empty)`: `reference_weights`, then weights · v
-    (v repeated per query head) in the weights' dtype; empty rows output 0."""
+    """`(out (B…, H, N, Dv), weights, empty)`: `reference_weights`, then `mix`;
+    empty rows output 0."""
     weights, empty = reference_weights(q, k, allowed, bias, scale=scale)
-    v = jnp.repeat(v, q.shape[-3] // v.shape[-3], axis=-3).astype(weights.dtype)  # (B…, H, S, Dv)
-    return jnp.einsum("...hns,...hsd->...hnd", weights, v), weights, empty
+    return mix(weights, v), weights, empty

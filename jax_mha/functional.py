@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from jax_mha import _masking
 from jax_mha._cudnn import cudnn_attention, cudnn_problem
 from jax_mha._dense import dense_attention
-from jax_mha._reference import reference_weights
-from jax_mha.blockwise import KEY_BLOCK_SIZE, QUERY_BLOCK_SIZE, blockwise_attention
+from jax_mha._reference import mix, reference_weights
+from jax_mha.blockwise import blockwise_attention
 
 IMPLEMENTATIONS = ("xla", "blockwise", "cudnn", "auto")
 EMPTY_ROWS = ("zero", "uniform")
@@ -391,25 +391,28 @@ def _weights_path(q, k, v, bad_kv, desc, scale, dropout_rate, dropout_rng):
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
         weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
     groups = q.shape[-3] // k.shape[-3]
-    v = jnp.repeat(v, groups, axis=-3).astype(weights.dtype)  # (B…, H, S, Dv)
-    out = jnp.einsum("...hns,...hsd->...hnd", weights, v)
+    out = mix(weights, v)  # (B…, H, N, Dv)
     sees_bad = jnp.repeat(bad_kv, groups, axis=-2)[..., None, :]  # (B…, H, 1, S)
     touched = jnp.any(sees_bad if allowed is None else allowed & sees_bad, axis=-1)
     return out, weights, empty, jnp.broadcast_to(touched, empty.shape)
 
 
-def _finish(out, weights, empty, poisoned, v, q_lengths, empty_rows):
+def _finish(out, weights, empty, poisoned, v, bad_kv, q_lengths, empty_rows):
     """The empty-row policy, NaN for poisoned rows, zeros past `q_lengths`."""
     *batch, h, n, _ = out.shape
     s = v.shape[-2]
+    poisoned = poisoned & ~empty
     if empty_rows == "uniform" and s:
         groups = h // v.shape[-3]
         mean_v = jnp.repeat(jnp.mean(v.astype(out.dtype), axis=-2, keepdims=True), groups, axis=-3)
         out = jnp.where(empty[..., None], mean_v, out)  # (B…, H, N, Dv)
         if weights is not None:
             weights = jnp.where(empty[..., None], jnp.asarray(1.0 / s, weights.dtype), weights)
+        # A uniform row averages every key and value, the non-finite ones too.
+        head_bad = jnp.repeat(jnp.any(bad_kv, axis=-1), groups, axis=-1)[..., None]  # (B…, H, 1)
+        poisoned = poisoned | (empty & head_bad)
     # A poisoned row is a constant NaN: gradients flow only through the clean rows.
-    poisoned = (poisoned & ~empty)[..., None]
+    poisoned = poisoned[..., None]
     out = jnp.where(poisoned, jnp.nan, out)
     if weights is not None:
         weights = jnp.where(poisoned, jnp.nan, weights)
@@ -440,8 +443,8 @@ def attention(
     deterministic: bool = True,
     return_weights: bool = False,
     implementation: str | None = "xla",
-    query_block_size: int = QUERY_BLOCK_SIZE,
-    key_block_size: int = KEY_BLOCK_SIZE,
+    query_block_size: int | None = None,
+    key_block_size: int | None = None,
 ):
     """Scaled dot-product attention for all heads at once.
 
@@ -483,7 +486,9 @@ def attention(
         returned or dropped out), `"blockwise"` (memory linear in N; skips blocks that
         causality or the window rule out), `"cudnn"` (jax.nn's fused GPU kernel;
         reverse-mode only), or `"auto"`/None (`resolve_implementation`).
-      query_block_size, key_block_size: block sizes of the blockwise path.
+      query_block_size, key_block_size: block sizes of the blockwise path; None
+        picks them (`jax_mha.blockwise.default_blocks`: 512 x 1024, smaller for a
+        narrow window).
 
     Returns:
       `out (B…, H, N, Dv)` in `q`'s dtype, or `(out, weights (B…, H, N, S))` when
@@ -516,7 +521,7 @@ def attention(
         path, q, k, v, bad_kv, desc, scale, dropout_rate if dropout else 0.0, dropout_rng,
         return_weights, query_block_size, key_block_size,
     )
-    out, weights = _finish(out, weights, empty, touched | bad_q, v, desc["q_lengths"], empty_rows)
+    out, weights = _finish(out, weights, empty, touched | bad_q, v, bad_kv, desc["q_lengths"], empty_rows)
     return (out.astype(dtype), weights.astype(dtype)) if return_weights else out.astype(dtype)
 
 
@@ -535,9 +540,9 @@ def _run_path(path, q, k, v, bad_kv, desc, scale, dropout_rate, dropout_rng, ret
         out, empty, touched = cudnn_attention(q, k, v, bad_kv=bad_kv, scale=scale, **desc)
         return out, None, empty, touched
     if path == "blockwise":
-        q_block = _index("query_block_size", q_block)
-        k_block = _index("key_block_size", k_block)
-        if q_block < 1 or k_block < 1:
+        q_block = None if q_block is None else _index("query_block_size", q_block)
+        k_block = None if k_block is None else _index("key_block_size", k_block)
+        if min(q_block or 1, k_block or 1) < 1:
             raise ValueError(f"block sizes must be >= 1, got query_block_size={q_block}, key_block_size={k_block}")
         out, lse, touched = blockwise_attention(
             q, k, v, query_block_size=q_block, key_block_size=k_block, scale=scale, bad_kv=bad_kv, **desc

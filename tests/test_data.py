@@ -83,8 +83,8 @@ def test_task_interface_and_round_trip():
     assert data == {"name": "copy", "length": 5, "min_length": 2, "num_symbols": 7, "reverse": True}
     assert task_from_dict(data) == cfg and TASKS["copy"] is CopyTaskConfig
     assert task_from_dict({"length": 5}) == CopyTaskConfig(length=5)  # files without a name are copy tasks
-    with pytest.raises(ValueError, match="unknown task 'lm'"):
-        task_from_dict({"name": "lm"})
+    with pytest.raises(ValueError, match="unknown task 'bogus'"):
+        task_from_dict({"name": "bogus"})
     with pytest.raises(ValueError, match="cannot be built"):
         task_from_dict({"name": "copy", "width": 3})
 
