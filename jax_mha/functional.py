@@ -542,7 +542,7 @@ def _run_path(path, q, k, v, bad_kv, desc, scale, dropout_rate, dropout_rng, ret
     if path == "blockwise":
         q_block = None if q_block is None else _index("query_block_size", q_block)
         k_block = None if k_block is None else _index("key_block_size", k_block)
-        if min(q_block or 1, k_block or 1) < 1:
+        if any(b is not None and b < 1 for b in (q_block, k_block)):
             raise ValueError(f"block sizes must be >= 1, got query_block_size={q_block}, key_block_size={k_block}")
         out, lse, touched = blockwise_attention(
             q, k, v, query_block_size=q_block, key_block_size=k_block, scale=scale, bad_kv=bad_kv, **desc

@@ -74,7 +74,20 @@ CASES = {
     "everything_mha": dict(is_causal=True, local_window_size=(4, 0), q_lengths="q_len", kv_lengths="kv_len",
                            bias="bias", mask="mask", kv_heads=6),
     "more_queries_than_keys": dict(is_causal=True, n=13, s=5),
+    "window_right_only": dict(local_window_size=(None, 2), bias="bias"),
+    # Whole 4 x 8 blocks masked (blockwise skips them): by the mask, by short kv
+    # lengths (sequence 0 sees 3 keys) and by q_lengths (sequence 1 has 4 rows).
+    "masked_blocks": dict(mask="block_mask", kv_lengths="kv_short", q_lengths="q_len"),
 }
+
+
+def _block_mask(rng, n, s):
+    """`(2, 1, N, S)`: sequence 0 may not see keys 0…7 (a whole key block), sequence
+    1's rows 4… see nothing (a whole query block); elsewhere 1 in 4 pairs masked."""
+    mask = rng.random((2, 1, n, s)) > 0.25
+    mask[0, :, :, :8] = False
+    mask[1, :, 4:, :] = False
+    return mask
 
 
 def make(rng, case, dtype=np.float32):
@@ -87,6 +100,8 @@ def make(rng, case, dtype=np.float32):
         "mask": jnp.asarray(rng.random((2, 1, n, s)) > 0.25),
         "q_len": jnp.array([n, max(n - 3, 0)]),
         "kv_len": jnp.array([s - 4, s]),
+        "kv_short": jnp.array([min(3, s), s]),
+        "block_mask": jnp.asarray(_block_mask(rng, n, s)),
     }
     kw = {name: arrays[val] if isinstance(val, str) else val for name, val in case.items()}
     allowed = np_allowed(
@@ -384,6 +399,21 @@ def test_empty_rows_policy_and_query_padding(rng, path):
         chex.assert_tree_all_finite(grads)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_uniform_empty_row_averages_non_finite_values_into_nan(rng, path):
+    """A "uniform" empty row is the mean of every value of its head, so a NaN value
+    makes it NaN (as jax.nn's uniform rows); the "zero" row and the other heads stay."""
+    q, k, v = inputs(rng, n=5, s=9)
+    v = v.at[0, 1, 6, 2].set(jnp.nan)  # key/value head 1 of sequence 0 (query heads 2, 3)
+    kw = dict(kv_lengths=jnp.array([4, 9]))  # the NaN key is masked: no row sees it
+    kw_empty = dict(kv_lengths=jnp.array([0, 9]))  # every row of sequence 0 empty
+    np.testing.assert_array_equal(np.isnan(np.asarray(run(path, q, k, v, empty_rows="uniform", **kw))), False)
+    uniform = np.asarray(run(path, q, k, v, empty_rows="uniform", **kw_empty))
+    assert np.isnan(uniform[0, 2:4]).all() and not np.isnan(uniform[0, [0, 1, 4, 5]]).any()
+    assert not np.isnan(uniform[1]).any()
+    np.testing.assert_array_equal(np.asarray(run(path, q, k, v, **kw_empty))[0], 0.0)
+
+
 def test_attention_entropy_propagates_nan():
     w = jnp.array([[0.5, 0.5, 0.0], [jnp.nan, 0.5, 0.5], [1.0, 0.0, 0.0]])
     h = np.asarray(attention_entropy(w))
@@ -479,6 +509,18 @@ def test_windows_and_causality_shrink_the_key_loop():
     assert band(is_causal=True) == 32  # the band is the longest row; later cond-skips halve the work
     assert band(is_causal=True, window=Window(256, 0)) == 2
     assert band(window=Window(128, 128)) == 2
+
+
+def test_default_blocks_fit_narrow_windows():
+    from jax_mha.blockwise import default_blocks
+
+    assert default_blocks(True, None) == (512, 1024)
+    assert default_blocks(True, Window(256, 0)) == (256, 256)
+    assert default_blocks(True, Window(256, None)) == (256, 256)  # causal: nothing right of the query
+    assert default_blocks(False, Window(100, 100)) == (256, 256)
+    assert default_blocks(True, Window(0, 0)) == (128, 128)
+    assert default_blocks(False, Window(3, None)) == (512, 1024)  # unbounded on the right
+    assert default_blocks(True, Window(2000, 0)) == (512, 1024)
 
 
 def test_blockwise_memory_is_linear_in_sequence_length():
