@@ -421,6 +421,28 @@ def time_windows(cfg: BenchConfig) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------
+# The projections' kernel-gradient trick (jax_mha/_projection.py): does it still pay?
+# ---------------------------------------------------------------------------------
+
+PROJECTION_SHAPE = (4, 512, 512)  # (B, N, d_model): the q, k, v, out projections of (4, 512, 512, 8)
+
+
+def time_projection(cfg: BenchConfig) -> dict[str, float]:
+    """Forward+backward ms of four `nn.Dense(d_model)` layers on one input, with
+    `projection_dot_general` (the library's) and with plain `lax.dot_general`."""
+    from jax_mha._projection import projection_dot_general
+
+    x = jax.random.normal(jax.random.PRNGKey(4), PROJECTION_SHAPE, jnp.float32)
+    fns = {}
+    for name, dot in (("projection_dot_general", projection_dot_general), ("lax.dot_general", jax.lax.dot_general)):
+        layers = [nn.Dense(PROJECTION_SHAPE[-1], dot_general=dot) for _ in range(4)]
+        params = [layer.init(jax.random.PRNGKey(i), x) for i, layer in enumerate(layers)]
+        loss = lambda ps, x, layers=layers: sum(layer.apply(p, x).sum() for layer, p in zip(layers, ps))
+        fns[name] = _blocking(jax.jit(jax.grad(loss, argnums=(0, 1))), params, x)
+    return {name: 1e3 * t for name, t in time_interleaved(fns, cfg).items()}
+
+
+# ---------------------------------------------------------------------------------
 # Decoding: the KV cache against re-running the whole prefix.
 # ---------------------------------------------------------------------------------
 
@@ -542,6 +564,8 @@ def run(cfg: BenchConfig, with_torch: bool, sections: tuple[str, ...] = ("train"
         print(f"timing sliding windows at N = {', '.join(map(str, cfg.window_lengths))} (seconds per call)", flush=True)
         result["window_rows"] = time_windows(cfg)
         partial(result)
+    if "train" in sections:
+        result["projection_ms"] = time_projection(cfg)
     if "decode" in sections:
         print(f"timing greedy decoding at L = {', '.join(map(str, cfg.decode_lengths))}", flush=True)
         result["decode_rows"] = time_decode(cfg)
@@ -647,6 +671,11 @@ def format_table(result: dict[str, Any]) -> str:
     if result["train_step_ms"]:
         lines += ["", "| training step (copy task, d=256, 8 heads, 2 layers, batch 64 × 34 tokens) | ms/step |", "| --- | ---: |"]
         lines += [f"| {k} | {v:.1f} |" for k, v in result["train_step_ms"].items()]
+    if result.get("projection_ms"):
+        ms = result["projection_ms"]
+        lines += ["", f"projections (4 Dense layers, fwd+bwd, {PROJECTION_SHAPE}): projection_dot_general "
+                      f"{ms['projection_dot_general']:.1f} ms vs lax.dot_general {ms['lax.dot_general']:.1f} ms "
+                      f"({ms['lax.dot_general'] / ms['projection_dot_general']:.2f}x)"]
     lines += _window_table(result["window_rows"]) + _decode_table(result["decode_rows"])
     if result.get("contended"):
         lines.insert(3, "CONTENDED RUN: other work shared the CPU (see the warning below)")

@@ -7,7 +7,7 @@ runs `jit(grad(sum(attention(q, k, v))))` w.r.t. q, k, v once, in a fresh Python
 process, so its peak resident set size (ru_maxrss, from `os.wait4`) is its own.
 
     python -m experiments.blockwise_memory            # N = 1024 ... 8192: ~2 min, ~3 GiB free memory
-    python -m experiments.blockwise_memory --full     # adds N = 16384 and 32768: ~10 min, ~10 GiB free
+    python -m experiments.blockwise_memory --full     # adds N = 16384 and 32768: ~10 min, ~16 GiB free
     python -m experiments.blockwise_memory --lengths 512 1024 --out /tmp/bm/results.json   # smoke run
 
 The first line of output states the memory the run needs (estimated from the sizes)
@@ -51,11 +51,13 @@ BASE_GIB = 0.55  # Python, JAX and small inputs, measured as the blockwise child
 def build_parser() -> argparse.ArgumentParser:
     p = common.parser("experiments.blockwise_memory",
                       "Peak RSS and wall time of jitted forward+backward attention (grad of sum(out) w.r.t. q, k, v) "
-                      "for the 'xla' and 'blockwise' implementations, one fresh process per (N, implementation).")
+                      "for the 'xla' and 'blockwise' implementations, one fresh process per (N, implementation). The default "
+                           "(N = 1024 ... 8192) takes ~2 min and ~3 GiB of free memory on a 2-core CPU.")
     p.add_argument("--lengths", type=common.positive_int, nargs="+",
                    help=f"sequence lengths N (= S, self-attention) (default {' '.join(map(str, QUICK_LENGTHS))}; "
                         f"--full: {' '.join(map(str, FULL_LENGTHS))})")
-    p.add_argument("--full", action="store_true", help="also N = 16384 and 32768 (~10 GiB free memory, ~10 min)")
+    p.add_argument("--full", action="store_true", help="also N = 16384 and 32768 (~10 min; ~16 GiB free memory: the xla child at N=32768 "
+                        "asks for more and is killed at --max-rss-gib)")
     p.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS),
                    help="implementations to compare (default: %(default)s)")
     p.add_argument("--batch", type=common.positive_int, default=1, help="batch size B (default: %(default)s)")
