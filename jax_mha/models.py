@@ -257,12 +257,11 @@ def generate(
         raise ValueError(f"temperature must be 0 (greedy) or a finite number > 0, got {temperature}")
     if temperature > 0 and key is None:
         raise ValueError(f"temperature={temperature} samples: pass key=jax.random.key(...)")
-    key = jax.random.PRNGKey(0) if key is None else key
+    key = jax.random.key(0) if key is None else key  # typed, as callers' keys usually are: one compilation
     prompt = jnp.asarray(prompt).astype(jnp.int32)
     if num_tokens == 0:
         return prompt
-    return _generate_cached(params, model.config, prompt, num_tokens, jnp.float32(temperature), key, head_mask,
-                            temperature == 0)
+    return _generate_cached(params, model.config, prompt, num_tokens, jnp.float32(temperature), key, head_mask)
 
 
 def _check_prompt(cfg: ModelConfig, prompt, num_tokens: int) -> None:
@@ -275,8 +274,9 @@ def _check_prompt(cfg: ModelConfig, prompt, num_tokens: int) -> None:
     check_tokens(prompt, cfg.vocab_size)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_tokens", "greedy"))
-def _generate_cached(params, config, prompt, num_tokens, temperature, key, head_mask, greedy):
+@functools.partial(jax.jit, static_argnames=("config", "num_tokens"))
+def _generate_cached(params, config, prompt, num_tokens, temperature, key, head_mask):
+    """Greedy and sampled decoding are one program (the temperature is traced)."""
     b, p = prompt.shape
     model = Decoder(config, decode=True)
     shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((b, p + num_tokens), jnp.int32))["cache"]
@@ -287,10 +287,10 @@ def _generate_cached(params, config, prompt, num_tokens, temperature, key, head_
         logits, variables = model.apply({"params": params, "cache": cache}, tokens, head_mask=head_mask,
                                         mutable=["cache"])
         last = logits[:, -1]  # (B, V)
-        if greedy:
-            return variables["cache"], jnp.argmax(last, -1).astype(jnp.int32)
-        sample = jax.random.categorical(jax.random.fold_in(key, t), last / temperature, axis=-1)
-        return variables["cache"], sample.astype(jnp.int32)
+        scaled = last / jnp.where(temperature > 0, temperature, 1.0)
+        sample = jax.random.categorical(jax.random.fold_in(key, t), scaled, axis=-1)
+        pick = jnp.where(temperature > 0, sample, jnp.argmax(last, -1))  # (B,)
+        return variables["cache"], pick.astype(jnp.int32)
 
     cache, first = step(cache, prompt, p)
     buffer = jnp.zeros((b, p + num_tokens), jnp.int32).at[:, :p].set(prompt).at[:, p].set(first)

@@ -76,13 +76,13 @@ def test_generate_through_the_cache_equals_greedy_without_it(params):
 def test_generate_samples_with_temperature(params):
     from jax_mha.models import generate
 
-    model, prompt = Decoder(CONFIG), jnp.array([[1, 2], [3, 4]])
-    a = generate(params, model, prompt, 11, temperature=1.5, key=jax.random.key(0))
-    b = generate(params, model, prompt, 11, temperature=1.5, key=jax.random.key(0))
-    c = generate(params, model, prompt, 11, temperature=1.5, key=jax.random.key(1))
+    model, prompt = Decoder(CONFIG), jnp.array([[1, 2, 3], [4, 5, 6]])  # the shapes above: one compilation
+    a = generate(params, model, prompt, 9, temperature=1.5, key=jax.random.key(0))
+    b = generate(params, model, prompt, 9, temperature=1.5, key=jax.random.key(0))
+    c = generate(params, model, prompt, 9, temperature=1.5, key=jax.random.key(1))
     np.testing.assert_array_equal(a, b)  # reproducible from the key
-    assert not np.array_equal(a, c) and a.shape == (2, 13) and int(a.max()) < CONFIG.vocab_size
-    np.testing.assert_array_equal(a[:, :2], prompt)
+    assert not np.array_equal(a, c) and a.shape == (2, 12) and int(a.max()) < CONFIG.vocab_size
+    np.testing.assert_array_equal(a[:, :3], prompt)
     with pytest.raises(ValueError, match="pass key"):
         generate(params, model, prompt, 3, temperature=0.5)
     with pytest.raises(ValueError, match="temperature must be"):
