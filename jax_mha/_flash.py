@@ -65,6 +65,7 @@ class Plan(NamedTuple):
     window: Window | None
     scale: float
     dtype: str  # accumulation dtype: "float32", or "float64" for float64 inputs
+    per_head: bool = True  # one (sequence, head) at a time (`_head`), or all B·K together
 
     @property
     def num_row_blocks(self) -> int:
@@ -148,19 +149,41 @@ def _F(plan: Plan):
 # ---------------------------------------------------------------------------------
 
 
-def _key_loop(plan: Plan, a: Arrays, g, i0, body, init, remat: bool = False):
-    """Runs `body(j, carry) -> carry` over the key blocks query rows `i0…` of head
-    `g` can see.
+class KeyBand(NamedTuple):
+    """The keys' arrays (and their tangents) of the `plan.band` key blocks one query
+    block may visit, `(1, 1, band·k_block, …)`; block `t` of the loop is rows
+    `t·k_block …` of them."""
+
+    k: jax.Array
+    v: jax.Array
+    bad_kv: jax.Array | None
+    dk: jax.Array | None = None
+    dv: jax.Array | None = None
+
+    def block(self, name: str, t, k_block: int):
+        x = getattr(self, name)
+        return None if x is None else lax.dynamic_slice_in_dim(x, t * k_block, k_block, axis=2)
+
+
+def _key_loop(plan: Plan, a: Arrays, g, i0, body, init, da: Arrays | None = None, remat: bool = False):
+    """Runs `body(j, t, band, carry) -> carry` over the key blocks query rows `i0…`
+    of head `g` can see: `j` the key block, `t` its index in `band` (a `KeyBand`).
 
     A scan of the static length `plan.band` starting at the first visible block,
     each step under `lax.cond`, so blocks that causality, the window, the lengths or
     an all-False mask block rule out cost nothing, and the loop stays differentiable
     in every mode (a `fori_loop` with traced bounds is not reverse-differentiable).
-    `remat` rematerialises each step in the backward pass (`jax.checkpoint`), so its
+    The keys are sliced to the band once, before the loop: a step then reads (and,
+    transposed, writes its gradient into) band-sized arrays, not S-sized ones, so a
+    narrow window's backward does O(window) work per step, not O(S). `remat`
+    rematerialises each step in the backward pass (`jax.checkpoint`), so its
     residuals are O(block).
     """
     lo, hi = _key_blocks(plan, a, i0)
     start = jnp.clip(lo, 0, plan.s_pad // plan.k_block - plan.band)
+    cut = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, start * plan.k_block,
+                                                                     plan.band * plan.k_block, axis=2)
+    band = KeyBand(cut(a.k), cut(a.v), cut(a.bad_kv), *((cut(da.k), cut(da.v)) if da is not None else ()))
 
     def visible(j):
         ok = (j >= lo) & (j < hi)
@@ -170,7 +193,7 @@ def _key_loop(plan: Plan, a: Arrays, g, i0, body, init, remat: bool = False):
 
     def step(carry, t):
         j = start + t
-        return lax.cond(visible(j), lambda c: body(j, c), lambda c: c, carry), None
+        return lax.cond(visible(j), lambda c: body(j, t, band, c), lambda c: c, carry), None
 
     step = jax.checkpoint(step, policy=jax.checkpoint_policies.nothing_saveable) if remat else step
     return lax.scan(step, init, jnp.arange(plan.band))[0]
@@ -183,10 +206,9 @@ def _forward_rows(plan: Plan, a: Arrays, r):
     q_i = lax.dynamic_slice_in_dim(a.q, r * plan.q_block, plan.q_block, axis=2)
     bk = plan.k_block
 
-    def key_block(j, carry):
+    def key_block(j, t, band, carry):
         m, l, acc, touched = carry
-        k_j = lax.dynamic_slice_in_dim(a.k, j * bk, bk, axis=2)
-        v_j = lax.dynamic_slice_in_dim(a.v, j * bk, bk, axis=2)
+        k_j, v_j = band.block("k", t, bk), band.block("v", t, bk)
         s, allowed = _scores(plan, a, q_i, k_j, g, i0, j * bk)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no -inf - -inf
@@ -194,7 +216,7 @@ def _forward_rows(plan: Plan, a: Arrays, r):
         correction = jnp.exp(m - m_safe)
         pv = jnp.einsum(_MIX, p.astype(v_j.dtype), v_j, preferred_element_type=_F(plan))
         if a.bad_kv is not None:
-            bad_j = lax.dynamic_slice_in_dim(a.bad_kv, j * bk, bk, axis=2)[:, :, None, :]
+            bad_j = band.block("bad_kv", t, bk)[:, :, None, :]
             seen = bad_j if allowed is None else allowed & bad_j
             touched = touched | jnp.any(seen, axis=-1)
         return m_new, l * correction + jnp.sum(p, -1), acc * correction[..., None] + pv, touched
@@ -212,6 +234,9 @@ def _forward_rows(plan: Plan, a: Arrays, r):
 
 def _forward(plan: Plan, a: Arrays):
     """`(out (B, K, R, Dv), lse (B, K, R), touched (B, K, R))`."""
+    if not plan.per_head:
+        out, lse, touched = lax.map(functools.partial(_forward_rows, plan, a), jnp.arange(plan.num_row_blocks))
+        return tuple(_unblock(x) for x in (out, lse, touched))
     b, k = a.q.shape[:2]
 
     def block(f):
@@ -224,9 +249,12 @@ def _forward(plan: Plan, a: Arrays):
 def _head(a: Arrays, h, num_kv_heads: int) -> Arrays:
     """The arrays of key/value head `h` of the flattened `B·K`, with B = K = 1.
 
-    The engine runs one head's query block at a time (one flat loop over heads and
-    blocks): XLA:CPU runs a plain 2-D matmul on its fast kernel but a batched one (all
-    B·K heads at once) 1.5-2x slower, and one head's score block stays in cache. A
+    On one CPU device the engine runs one head's query block at a time (one flat loop
+    over heads and blocks): XLA:CPU runs a plain 2-D matmul on its fast kernel but a
+    batched one (all B·K heads at once) 1.5-2x slower, and one head's score block
+    stays in cache. Elsewhere (`Plan.per_head` False: GPUs, where batched matmuls are
+    fast, and several devices, where slicing a head out of an axis sharded over
+    "model" would all-gather it) all B·K heads go together. A
     single flat loop (rather than a loop over heads around a loop over blocks) keeps
     every step dependent on its index, so JAX's partial evaluation never hoists
     head-invariant block work out of the rematerialised backward into O(N·S) arrays.
@@ -246,6 +274,18 @@ def _head_of(b_index, k_index, x):
     return x
 
 
+def _unblock(x: jax.Array) -> jax.Array:
+    """`(nr, B, K, bq, …) -> (B, K, nr·bq, …)` (all heads together)."""
+    x = jnp.moveaxis(x, 0, 2)
+    return x.reshape(x.shape[:2] + (-1,) + x.shape[4:])
+
+
+def _blocks(x: jax.Array, plan: Plan) -> jax.Array:
+    """`(B, K, R, …) -> (nr, B, K, bq, …)`: the inverse of `_unblock`."""
+    x = x.reshape(x.shape[:2] + (plan.num_row_blocks, plan.q_block) + x.shape[3:])
+    return jnp.moveaxis(x, 2, 0)
+
+
 def _stack(x: jax.Array, plan: Plan) -> jax.Array:
     """`(B, K, R, …) -> (B·K·nr, 1, 1, bq, …)`: one entry per step of the flat loop
     (a reshape: rows are contiguous after B and K)."""
@@ -262,17 +302,18 @@ def _unstack(x: jax.Array, b: int, k: int) -> jax.Array:
 # ---------------------------------------------------------------------------------
 
 
-def _tangent_block(plan: Plan, a: Arrays, da: Arrays, q_i, dq_i, lse_i, g, i0, j):
-    """Contribution of key block `j` to one query block: `(A v + P dv, rowsum(A))`."""
+def _tangent_block(plan: Plan, a: Arrays, da: Arrays, band: KeyBand, q_i, dq_i, lse_i, g, i0, j, t):
+    """Contribution of key block `j` (block `t` of `band`) to one query block:
+    `(A v + P dv, rowsum(A))`."""
     bk = plan.k_block
-    k_j = lax.dynamic_slice_in_dim(a.k, j * bk, bk, axis=2)
+    k_j = band.block("k", t, bk)
     s, allowed = _scores(plan, a, q_i, k_j, g, i0, j * bk)
     p = jnp.exp(s - lse_i[..., None])  # the softmax weights; 0 where masked or empty
     ds = None
     if dq_i is not None:
         ds = jnp.einsum(_SCORES, dq_i, k_j, preferred_element_type=_F(plan))
     if da.k is not None:
-        dk_j = lax.dynamic_slice_in_dim(da.k, j * bk, bk, axis=2)
+        dk_j = band.block("dk", t, bk)
         term = jnp.einsum(_SCORES, q_i, dk_j, preferred_element_type=_F(plan))
         ds = term if ds is None else ds + term
     ds = None if ds is None else ds * jnp.asarray(plan.scale, _F(plan))
@@ -288,11 +329,11 @@ def _tangent_block(plan: Plan, a: Arrays, da: Arrays, q_i, dq_i, lse_i, g, i0, j
     if ds is not None:
         prod = p * ds
         w = prod if allowed is None else jnp.where(allowed, prod, 0.0)  # select, never 0·NaN
-        v_j = lax.dynamic_slice_in_dim(a.v, j * bk, bk, axis=2).astype(_F(plan))
+        v_j = band.block("v", t, bk).astype(_F(plan))
         mixed = jnp.einsum(_MIX, w, v_j)
         c = jnp.sum(w, axis=-1)
     if da.v is not None:
-        mixed = mixed + jnp.einsum(_MIX, p, lax.dynamic_slice_in_dim(da.v, j * bk, bk, axis=2))
+        mixed = mixed + jnp.einsum(_MIX, p, band.block("dv", t, bk))
     return mixed, c
 
 
@@ -302,17 +343,22 @@ def _tangent_rows(plan: Plan, a: Arrays, da: Arrays, block):
     r, q_i, dq_i, out_i, lse_i = block
     g, i0 = _row_origin(plan, r)
 
-    def key_block(j, carry):
-        mixed, c = _tangent_block(plan, a, da, q_i, dq_i, lse_i, g, i0, j)
+    def key_block(j, t, band, carry):
+        mixed, c = _tangent_block(plan, a, da, band, q_i, dq_i, lse_i, g, i0, j, t)
         return carry[0] + mixed, carry[1] + c
 
     init = (jnp.zeros(out_i.shape, _F(plan)), jnp.zeros(lse_i.shape, _F(plan)))
-    mixed, c = _key_loop(plan, a, g, i0, key_block, init, remat=True)
+    mixed, c = _key_loop(plan, a, g, i0, key_block, init, da=da, remat=True)
     return mixed - c[..., None] * out_i, c
 
 
 def _tangent(plan: Plan, a: Arrays, da: Arrays, out, lse):
     """`(d out (B, K, R, Dv), d lse (B, K, R))`, linear in the tangents `da`."""
+    if not plan.per_head:
+        blocks = lambda x: None if x is None else _blocks(x, plan)
+        xs = (jnp.arange(plan.num_row_blocks), blocks(a.q), blocks(da.q), blocks(out), blocks(lse))
+        d_out, d_lse = lax.map(functools.partial(_tangent_rows, plan, a, da), xs)
+        return _unblock(d_out), _unblock(d_lse)
     b, k = a.q.shape[:2]
     heads = lambda x: None if x is None else x.reshape((b * k, 1, 1) + x.shape[2:])
     rows = lambda x: None if x is None else _stack(x, plan)
@@ -395,6 +441,11 @@ def _lengths(x, batch):
     return jnp.broadcast_to(x, batch).reshape(-1, 1, 1, 1)
 
 
+def one_cpu_device() -> bool:
+    """Whether the engine runs one head at a time (`Plan.per_head`, see `_head`)."""
+    return jax.default_backend() == "cpu" and jax.device_count() == 1
+
+
 def run_engine(q, k, v, *, bias, mask, q_lengths, kv_lengths, is_causal, window, scale,
                q_block: int, k_block: int, bad_kv=None):
     """The engine on public layouts.
@@ -420,7 +471,7 @@ def run_engine(q, k, v, *, bias, mask, q_lengths, kv_lengths, is_causal, window,
     dtype = jnp.promote_types(q.dtype, jnp.float32)
     band = key_block_band(Visibility(n, s, is_causal, window), n_pad, q_block, k_block, s_pad // k_block)
     plan = Plan(n, s, n_pad, s_pad, groups, q_block, k_block, band, is_causal, window,
-                float(scale), jnp.dtype(dtype).name)
+                float(scale), jnp.dtype(dtype).name, one_cpu_device())
     flat = lambda x: jnp.broadcast_to(x, batch + x.shape[-3:]).reshape((-1,) + x.shape[-3:])
     q_e = _pad(flat(q).reshape(-1, kv_heads, groups, n, d), 3, n_pad, 0)
     q_e = q_e.reshape(q_e.shape[0], kv_heads, groups * n_pad, d)  # (B, K, G·Np, D)
