@@ -7,7 +7,7 @@ A task is a small frozen config with three duties (the `Task` protocol):
 * `eval_batch(key, batch_size)` the held-out batch the trainer evaluates on (the copy
   task: fresh sequences from the evaluation key; the language model: windows of its
   validation split);
-* `eval_metrics(logits_fn, logits, batch)` adds the task's own held-out metrics to
+* `eval_metrics(decoding, logits, batch)` adds the task's own held-out metrics to
   the generic ones (loss, token accuracy, attention statistics);
 * `stop_metric` names the metric early stopping watches (None: never stop early).
 
@@ -28,7 +28,7 @@ alone and measure nothing.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, Protocol
+from typing import Any, Callable, ClassVar, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,16 @@ FIRST_SYMBOL = 4  # content symbols are FIRST_SYMBOL … FIRST_SYMBOL + num_symb
 
 Batch = dict[str, jax.Array]
 LogitsFn = Callable[[jax.Array], jax.Array]  # int (B, T) -> float (B, T, V)
+StepFn = Callable[[Any, jax.Array], tuple[Any, jax.Array]]  # (cache, int (B, 1)) -> (cache, float (B, 1, V))
+
+
+class Decoding(NamedTuple):
+    """How an evaluation may run a causal model: whole sequences (`logits`) and, when
+    `step` is given, one token at a time through a KV cache that starts as `cache`."""
+
+    logits: LogitsFn
+    step: StepFn | None = None
+    cache: Any = None
 
 
 class Task(Protocol):
@@ -59,7 +69,7 @@ class Task(Protocol):
 
     def eval_batch(self, key: jax.Array, batch_size: int) -> Batch: ...
 
-    def eval_metrics(self, logits_fn: LogitsFn, logits: jax.Array, batch: Batch) -> dict[str, jax.Array]: ...
+    def eval_metrics(self, decoding: Decoding | LogitsFn, logits: jax.Array, batch: Batch) -> dict[str, jax.Array]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,11 +111,11 @@ class CopyTaskConfig:
         """Held-out sequences: the same distribution, from a key training never uses."""
         return make_batch(key, self, batch_size)
 
-    def eval_metrics(self, logits_fn: LogitsFn, logits: jax.Array, batch: Batch) -> dict[str, jax.Array]:
+    def eval_metrics(self, decoding: Decoding | LogitsFn, logits: jax.Array, batch: Batch) -> dict[str, jax.Array]:
         """`exact_accuracy`: the fraction of sequences whose greedy, autoregressive
         decoding of the second copy and EOS is right at every scored position."""
         del logits  # teacher-forced logits say nothing about free-running decoding
-        decoded = greedy_decode(logits_fn, batch)
+        decoded = greedy_decode(decoding, batch)
         exact = jnp.all(jnp.where(batch["scored"], decoded == batch["targets"], True), axis=-1)
         return {"exact_accuracy": exact.mean()}
 
@@ -178,29 +188,34 @@ def make_batch(key: jax.Array, config: CopyTaskConfig, batch_size: int) -> Batch
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "scored": scored[:, 1:]}
 
 
-def greedy_decode(logits_fn: LogitsFn, batch: Batch) -> jax.Array:
+def greedy_decode(decoding: Decoding | LogitsFn, batch: Batch) -> jax.Array:
     """Greedy autoregressive decoding of every scored position (no teacher forcing).
 
-    Starting from the inputs, position `t` of the scored region is filled with the
-    argmax of `logits_fn` run on what has been decoded so far, and fed back as the
-    input at `t + 1`. Tokens after a sequence's EOS are never read by the scored
-    positions, as attention is causal. Jittable.
+    Position `t` of the scored region is the argmax of the model run on what has been
+    decoded so far, fed back as the input at `t + 1`. Tokens after a sequence's EOS
+    are never read by the scored positions, as attention is causal. With a
+    `Decoding.step` every token is one step through the KV cache (O(T) work per
+    token); with a bare logits function (the reference) every scored position re-runs
+    the whole buffer. Both give the same tokens. Jittable.
 
     Args:
-      logits_fn: int `(B, T)` -> float `(B, T, V)`, a causal model.
+      decoding: a `Decoding`, or a causal `logits_fn`: int `(B, T)` -> float `(B, T, V)`.
       batch: `inputs (B, T)` and `scored (B, T)`.
 
     Returns:
       int `(B, T)`: the decoded next token at every position from the first scored
       one on (zeros before it); compare with `targets` where `scored`.
     """
+    decoding = decoding if isinstance(decoding, Decoding) else Decoding(decoding)
     inputs, scored = batch["inputs"], batch["scored"]
     t_len = inputs.shape[-1]
     first = jnp.min(jnp.where(scored, jnp.arange(t_len), t_len))  # before it everything is given
+    if decoding.step is not None:
+        return _greedy_decode_cached(decoding, inputs, scored, first)
 
     def body(t, state):
         buffer, decoded = state
-        pred = jnp.argmax(logits_fn(buffer)[:, t], -1).astype(buffer.dtype)  # (B,)
+        pred = jnp.argmax(decoding.logits(buffer)[:, t], -1).astype(buffer.dtype)  # (B,)
         decoded = decoded.at[:, t].set(pred)
         nxt = jnp.minimum(t + 1, t_len - 1)
         write = scored[:, t] & (t + 1 < t_len)  # feed the prediction back where it is scored
@@ -209,6 +224,22 @@ def greedy_decode(logits_fn: LogitsFn, batch: Batch) -> jax.Array:
 
     _, decoded = jax.lax.fori_loop(first, t_len, body, (inputs, jnp.zeros_like(inputs)))
     return decoded
+
+
+def _greedy_decode_cached(decoding: Decoding, inputs, scored, first) -> jax.Array:
+    """`greedy_decode` one token a step: token t is the input, or the prediction at
+    t - 1 where t - 1 is scored; `(B, T)` predictions from `first` on."""
+
+    def body(t, state):
+        cache, previous, decoded = state
+        fed_back = (t > 0) & scored[:, jnp.maximum(t - 1, 0)]
+        token = jnp.where(fed_back, previous, inputs[:, t])  # (B,)
+        cache, logits = decoding.step(cache, token[:, None])
+        pred = jnp.argmax(logits[:, -1], -1).astype(inputs.dtype)  # (B,)
+        return cache, pred, decoded.at[:, t].set(jnp.where(t >= first, pred, 0))
+
+    init = (decoding.cache, jnp.zeros(inputs.shape[:1], inputs.dtype), jnp.zeros_like(inputs))
+    return jax.lax.fori_loop(0, inputs.shape[-1], body, init)[2]
 
 
 def chance_accuracy(config: CopyTaskConfig) -> float:

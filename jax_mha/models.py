@@ -274,23 +274,43 @@ def _check_prompt(cfg: ModelConfig, prompt, num_tokens: int) -> None:
     check_tokens(prompt, cfg.vocab_size)
 
 
+
+def empty_cache(config: ModelConfig, batch_size: int, length: int):
+    """The `"cache"` collection of `Decoder(config, decode=True)` for `batch_size`
+    sequences of up to `length` tokens, empty (every index 0); no parameters built."""
+    model = Decoder(config, decode=True)
+    shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((batch_size, length), jnp.int32))["cache"]
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def decode_step(params, config: ModelConfig, head_mask=None):
+    """`step(cache, tokens (B, n)) -> (cache, logits (B, n, V))`: the next `n` tokens
+    of every sequence through the KV cache (`Decoder(config, decode=True)`)."""
+    model = Decoder(config, decode=True)
+
+    def step(cache, tokens):
+        logits, variables = model.apply({"params": params, "cache": cache}, tokens, head_mask=head_mask,
+                                        mutable=["cache"])
+        return variables["cache"], logits
+
+    return step
+
+
 @functools.partial(jax.jit, static_argnames=("config", "num_tokens"))
 def _generate_cached(params, config, prompt, num_tokens, temperature, key, head_mask):
     """Greedy and sampled decoding are one program (the temperature is traced)."""
     b, p = prompt.shape
-    model = Decoder(config, decode=True)
-    shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((b, p + num_tokens), jnp.int32))["cache"]
-    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # empty; every index at 0
+    cache = empty_cache(config, b, p + num_tokens)
+    run = decode_step(params, config, head_mask)
 
     def step(cache, tokens, t):
         """Feeds `tokens (B, n)`; returns the cache and the token for position t: (B,)."""
-        logits, variables = model.apply({"params": params, "cache": cache}, tokens, head_mask=head_mask,
-                                        mutable=["cache"])
+        cache, logits = run(cache, tokens)
         last = logits[:, -1]  # (B, V)
         scaled = last / jnp.where(temperature > 0, temperature, 1.0)
         sample = jax.random.categorical(jax.random.fold_in(key, t), scaled, axis=-1)
         pick = jnp.where(temperature > 0, sample, jnp.argmax(last, -1))  # (B,)
-        return variables["cache"], pick.astype(jnp.int32)
+        return cache, pick.astype(jnp.int32)
 
     cache, first = step(cache, prompt, p)
     buffer = jnp.zeros((b, p + num_tokens), jnp.int32).at[:, :p].set(prompt).at[:, p].set(first)

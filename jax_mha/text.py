@@ -113,14 +113,14 @@ class TextTaskConfig:
         return {"inputs": jnp.asarray(rows[:, :-1]), "targets": jnp.asarray(rows[:, 1:]),
                 "scored": jnp.ones((batch_size, t), bool)}
 
-    def eval_metrics(self, logits_fn, logits: jax.Array, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    def eval_metrics(self, decoding, logits: jax.Array, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """`bpc`: mean cross-entropy over scored characters in bits (teacher forced).
 
         Args:
-          logits_fn: unused (bits per character need no decoding).
+          decoding: unused (bits per character need no decoding).
           logits: float `(B, T, V)`; batch: `targets (B, T)`, `scored (B, T)`.
         """
-        del logits_fn
+        del decoding
         return {"bpc": scored_nats(logits, batch) / math.log(2.0)}
 
 

@@ -29,9 +29,9 @@ from flax import struct
 
 from jax_mha import parallel
 from jax_mha.checkpoint import load_train_state, save_train_state
-from jax_mha.data import Batch, Task, task_to_dict
+from jax_mha.data import Batch, Decoding, Task, task_to_dict
 from jax_mha.functional import attention_entropy
-from jax_mha.models import Decoder, ModelConfig
+from jax_mha.models import Decoder, ModelConfig, decode_step, empty_cache
 
 _POSITIVE_INTS = ("batch_size", "num_steps", "steps_per_call", "eval_every", "eval_size", "early_stop_evals")
 
@@ -251,8 +251,9 @@ def evaluate(params, model: Decoder, task: Task, batch: Batch, head_mask=None) -
     logits, weights = model.apply({"params": params}, batch["inputs"], head_mask=head_mask, return_weights=True)
     loss, token_accuracy = scored_loss(logits, batch)
     logits_fn = lambda tokens: model.apply({"params": params}, tokens, head_mask=head_mask)
+    b, t_len = batch["inputs"].shape
+    decoding = Decoding(logits_fn, decode_step(params, model.config, head_mask), empty_cache(model.config, b, t_len))
     # weights: (layers, B, H, T, T); query t sees t + 1 keys under the causal mask.
-    t_len = batch["inputs"].shape[-1]
     entropy = attention_entropy(weights)  # (layers, B, H, T)
     log_keys = jnp.log(jnp.arange(1, t_len + 1, dtype=jnp.float32))
     normalized = entropy / jnp.where(log_keys > 0, log_keys, 1.0)[None, None, None, :]
@@ -262,7 +263,7 @@ def evaluate(params, model: Decoder, task: Task, batch: Batch, head_mask=None) -
     return {
         "loss": loss,
         "token_accuracy": token_accuracy,
-        **task.eval_metrics(logits_fn, logits, batch),
+        **task.eval_metrics(decoding, logits, batch),
         "entropy": per_head(entropy),
         "entropy_normalized": per_head(normalized),
         "confidence": per_head(confidence),

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from jax_mha.checkpoint import save_train_state
-from jax_mha.data import CopyTaskConfig, chance_accuracy, greedy_decode, make_batch
-from jax_mha.models import CopyTransformer, ModelConfig
+from jax_mha.data import CopyTaskConfig, Decoding, chance_accuracy, greedy_decode, make_batch
+from jax_mha.models import CopyTransformer, ModelConfig, decode_step, empty_cache
 from jax_mha.train import (
     TrainConfig,
     evaluate,
@@ -98,6 +98,21 @@ def test_greedy_decode_matches_teacher_forcing_when_perfect(trained):
     assert all_right.mean() > 0.5
     np.testing.assert_array_equal(np.asarray(decoded)[all_right][scored[all_right]],
                                   np.asarray(teacher)[all_right][scored[all_right]])
+
+
+@pytest.mark.parametrize("params_from", ["trained", "untrained"])
+def test_cached_greedy_decode_equals_rerunning_the_prefix(trained, params_from):
+    """The KV-cache decoder the evaluation uses gives the reference's tokens, on a
+    model that copies and on an untrained one (whose argmaxes are arbitrary)."""
+    model = CopyTransformer(MODEL)
+    batch = make_batch(jax.random.PRNGKey(10), TASK, 17)
+    params = trained[1] if params_from == "trained" else model.init(jax.random.PRNGKey(3), batch["inputs"])["params"]
+    head_mask = jnp.ones((MODEL.num_layers, MODEL.num_heads)).at[1, 2].set(0.0)
+    logits_fn = lambda tokens: model.apply({"params": params}, tokens, head_mask=head_mask)
+    reference = jax.jit(lambda b: greedy_decode(logits_fn, b))(batch)
+    cached = Decoding(logits_fn, decode_step(params, MODEL, head_mask), empty_cache(MODEL, 17, TASK.seq_len))
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda b: greedy_decode(cached, b))(batch)), np.asarray(reference))
+    assert (np.asarray(reference)[np.asarray(batch["scored"])] > 0).any()
 
 
 def test_evaluate_attention_statistics(trained):
