@@ -107,6 +107,14 @@ nonnegative_float = _number(float, 0, math.inf, False, True, "a finite number >=
 unit_interval = _number(float, 0, 1, False, False, "in [0, 1]")  # absolute accuracy drops
 
 
+def existing_file(text: str) -> Path:
+    """An argparse type: a path to a file that exists (checked before anything runs)."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text} does not exist or is not a file")
+    return path
+
+
 def parser(module: str, description: str, presets: dict[str, Callable] | None = None,
            lm_presets: dict[str, Callable] | None = None) -> argparse.ArgumentParser:
     """A study's parser; `--help` ends with every preset's values (copy, then `--task lm`)."""
@@ -460,7 +468,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "Reference from pydoc_data)")
     p.add_argument("--heads", type=positive_int, help="its head count (default: the preset's analysed one, 8)")
     p.add_argument("--seed", type=nonnegative_int, help="its seed (default 0)")
-    p.add_argument("--checkpoint", type=Path,
+    p.add_argument("--checkpoint", type=existing_file,
                    help="analyse this checkpoint (jax_mha.checkpoint.save_checkpoint) instead of the preset's model")
     p.add_argument("--retrain", action="store_true", help="train the preset's model afresh instead of loading it")
     p.add_argument("--train-steps", type=positive_int,

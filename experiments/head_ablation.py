@@ -333,7 +333,8 @@ def describe_saved(results: dict, path: Path, status: dict) -> str:
     """The Ctrl-C line's account of what is on disk (the training state file itself
     says which step it holds: a save can land just before the interrupt)."""
     done = sorted(map(int, results["heads"]))
-    parts = [f"head counts {', '.join(map(str, done))} are finished in {path}" if done else "no head count finished"]
+    finished = (f"head count {done[0]} is" if len(done) == 1 else f"head counts {', '.join(map(str, done))} are")
+    parts = [f"{finished} finished in {path}" if done else "no head count finished"]
     state_file = status.get("state_file")
     if status.get("heads") is not None and state_file is not None and state_file.exists():
         with contextlib.suppress(ValueError):

@@ -142,10 +142,12 @@ def test_damaged_results_name_the_file_and_force(outcomes, index):
 
 
 def test_unusable_checkpoint_names_the_file(outcomes):
-    for case, fragment in (("missing checkpoint", "missing.msgpack does not exist"),
-                           ("broken checkpoint", "broken.msgpack is not a jax_mha-checkpoint-v2 file")):
+    """A missing file is a bad argument (exit 2, before anything runs); a file that is
+    there but unreadable is found while loading (exit 1)."""
+    for case, fragment, code in (("missing checkpoint", "missing.msgpack does not exist", 2),
+                                 ("broken checkpoint", "broken.msgpack is not a jax_mha-checkpoint-v2 file", 1)):
         line = one_error_line(outcomes[case])
-        assert outcomes[case]["code"] == 1 and fragment in line, line
+        assert outcomes[case]["code"] == code and fragment in line, (line, outcomes[case]["code"])
 
 
 def test_help_lists_every_preset(outcomes):
