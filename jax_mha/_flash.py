@@ -253,8 +253,9 @@ def _head(a: Arrays, h, num_kv_heads: int) -> Arrays:
     over heads and blocks): XLA:CPU runs a plain 2-D matmul on its fast kernel but a
     batched one (all B·K heads at once) 1.5-2x slower, and one head's score block
     stays in cache. Elsewhere (`Plan.per_head` False: GPUs, where batched matmuls are
-    fast, and several devices, where slicing a head out of an axis sharded over
-    "model" would all-gather it) all B·K heads go together. A
+    fast; several devices, where slicing a head out of an axis sharded over "model"
+    would all-gather it; heads wider than `PER_HEAD_MAX_DIM`) all B·K heads go
+    together. A
     single flat loop (rather than a loop over heads around a loop over blocks) keeps
     every step dependent on its index, so JAX's partial evaluation never hoists
     head-invariant block work out of the rematerialised backward into O(N·S) arrays.
@@ -441,6 +442,12 @@ def _lengths(x, batch):
     return jnp.broadcast_to(x, batch).reshape(-1, 1, 1, 1)
 
 
+# Head dims up to this run one head at a time on CPU: measured forward+backward of
+# MultiHeadAttention on a 2-core CPU, (B, N, d, H) = (4, 512, 512, 8), D = 64: 203 ms
+# one head at a time vs 223 ms all together; (4, 512, 512, 1), D = 512: 199 vs 172 ms.
+PER_HEAD_MAX_DIM = 128
+
+
 def one_cpu_device() -> bool:
     """Whether the engine runs one head at a time (`Plan.per_head`, see `_head`)."""
     return jax.default_backend() == "cpu" and jax.device_count() == 1
@@ -471,7 +478,7 @@ def run_engine(q, k, v, *, bias, mask, q_lengths, kv_lengths, is_causal, window,
     dtype = jnp.promote_types(q.dtype, jnp.float32)
     band = key_block_band(Visibility(n, s, is_causal, window), n_pad, q_block, k_block, s_pad // k_block)
     plan = Plan(n, s, n_pad, s_pad, groups, q_block, k_block, band, is_causal, window,
-                float(scale), jnp.dtype(dtype).name, one_cpu_device())
+                float(scale), jnp.dtype(dtype).name, one_cpu_device() and d <= PER_HEAD_MAX_DIM)
     flat = lambda x: jnp.broadcast_to(x, batch + x.shape[-3:]).reshape((-1,) + x.shape[-3:])
     q_e = _pad(flat(q).reshape(-1, kv_heads, groups, n, d), 3, n_pad, 0)
     q_e = q_e.reshape(q_e.shape[0], kv_heads, groups * n_pad, d)  # (B, K, G·Np, D)
