@@ -182,17 +182,21 @@ def score_heads(m: common.StudyModel, model: Decoder, batches: dict, cfg: Prunin
 
 def prune_both_orders(m: common.StudyModel, model: Decoder, batches: dict, cfg: PruningConfig, normalize: bool,
                       progress: bool) -> dict[str, analysis.PruningResult]:
-    """Iterative pruning by importance and by oracle, to the end (for whole curves)."""
+    """Iterative pruning by importance and by oracle under `cfg.criterion`, to the end
+    (for whole curves); the bar shows accuracy, or bpc under the loss criterion."""
     from tqdm.auto import tqdm
 
-    total = int(np.prod(analysis.gate_shape(model)))
+    def shown(step):
+        return {"bpc": f"{step.loss * BITS:.4f}"} if cfg.criterion == "loss" else {"acc": f"{step.accuracy:.4f}"}
+
     records = {}
     for order in analysis.ORDERS:
-        bar = tqdm(total=total, desc=f"pruning by {order}", unit="head", disable=not progress)
-        callback = lambda step, bar=bar: (bar.update(step.num_pruned - bar.n), bar.set_postfix(acc=f"{step.accuracy:.4f}"))
+        bar = tqdm(total=int(np.prod(analysis.gate_shape(model))), desc=f"pruning by {order}", unit="head",
+                   disable=not progress)
+        callback = lambda step, bar=bar: (bar.update(step.num_pruned - bar.n), bar.set_postfix(shown(step)))
         try:
             records[order] = analysis.prune_heads_iteratively(
-                m.params, model, batches["eval"], order=order, max_drop=cfg.max_drop,
+                m.params, model, batches["eval"], order=order, max_drop=cfg.max_drop, criterion=cfg.criterion,
                 heads_per_step=cfg.heads_per_step, score_batch=batches["score"], normalize=normalize,
                 run_to_end=True, chunk_size=cfg.chunk_size, callback=callback)
         except FloatingPointError as e:
@@ -308,28 +312,6 @@ def analyse(m: common.StudyModel, args, cfg: PruningConfig) -> dict:
 BITS = 1.0 / np.log(2.0)  # nats -> bits
 
 
-def lm_prune(m: common.StudyModel, model: Decoder, batches: dict, cfg: PruningConfig, normalize: bool,
-             progress: bool) -> dict[str, analysis.PruningResult]:
-    """Iterative pruning in both orders under the relative-loss (bpc) stop rule, to the end."""
-    from tqdm.auto import tqdm
-
-    records = {}
-    for order in analysis.ORDERS:
-        bar = tqdm(total=int(np.prod(analysis.gate_shape(model))), desc=f"pruning by {order}", unit="head",
-                   disable=not progress)
-        callback = lambda step, bar=bar: (bar.update(step.num_pruned - bar.n), bar.set_postfix(bpc=f"{step.loss * BITS:.4f}"))
-        try:
-            records[order] = analysis.prune_heads_iteratively(
-                m.params, model, batches["eval"], order=order, max_drop=cfg.max_drop, criterion=cfg.criterion,
-                heads_per_step=cfg.heads_per_step, score_batch=batches["score"], normalize=normalize,
-                run_to_end=True, chunk_size=cfg.chunk_size, callback=callback)
-        except FloatingPointError as e:
-            raise SystemExit(f"error: pruning by {order}: {e}") from None
-        finally:
-            bar.close()
-    return records
-
-
 def lm_survivors(rec: analysis.PruningResult, labels: np.ndarray) -> dict:
     """The heads left when the bpc rule fires, with their types (measured on the full model)."""
     gates = rec.surviving_gates()
@@ -348,7 +330,7 @@ def lm_analyse(m: common.StudyModel, args, cfg: PruningConfig) -> dict:
     scores = analysis.model_head_scores(m.params, model, batches["eval"]["inputs"][:32],
                                         key=jax.random.key(common.ANALYSIS_EVAL_SEED))
     labels = head_types.classify_heads(scores)
-    records = lm_prune(m, model, batches, cfg, normalize, not args.no_progress)
+    records = prune_both_orders(m, model, batches, cfg, normalize, not args.no_progress)
     shape = analysis.gate_shape(model)
     total, base = shape[0] * shape[1], records["importance"].steps[0].loss * BITS
     results = {

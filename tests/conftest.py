@@ -7,6 +7,11 @@ explicitly and a silently swapped or missing axis cannot slip through.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,3 +126,15 @@ def x64(enabled: bool = True):
     from jax.experimental import enable_x64, disable_x64  # jax < 0.5
 
     return enable_x64() if enabled else disable_x64()
+
+
+def run_in(cwd: Path, main, argv) -> tuple[object, str]:
+    """A study's `main(argv)` with `cwd` as the working directory; `(result, stdout)`."""
+    out, old = io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out):
+            result = main(argv)
+    finally:
+        os.chdir(old)
+    return result, out.getvalue()

@@ -9,8 +9,6 @@ Everything runs in one temporary working directory, so the default output folder
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -25,24 +23,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import run_in
+
 from experiments import attention_maps, common, head_ablation, head_pruning
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--preset", "tiny", "--heads", "4", "--steps", "100", "--no-early-stop", "--no-progress"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-
-
-def run_in(cwd: Path, main, argv) -> tuple[object, str]:
-    """`main(argv)` with `cwd` as the working directory; `(result, stdout)`."""
-    out, old = io.StringIO(), os.getcwd()
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(out):
-            result = main(argv)
-    finally:
-        os.chdir(old)
-    return result, out.getvalue()
 
 
 def interrupt_once_saved(cwd: Path, state_file: Path) -> subprocess.CompletedProcess:

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-import contextlib
-import io
+from conftest import run_in
 
 from experiments import attention_maps, head_pruning
 from jax_mha.head_types import HEAD_TYPES
@@ -26,18 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ARGS = ["--task", "lm", "--preset", "tiny", "--no-progress"]
-
-
-def run_in(cwd: Path, main, argv) -> tuple[object, str]:
-    """`main(argv)` with `cwd` as the working directory; `(result, stdout)`."""
-    out, old = io.StringIO(), os.getcwd()
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(out):
-            result = main(argv)
-    finally:
-        os.chdir(old)
-    return result, out.getvalue()
 
 
 @pytest.fixture(scope="module")
