@@ -1,8 +1,9 @@
 """The `"xla"` path: every key in one block, query rows in blocks sized for the cache.
 
 Query rows are independent given all the keys, so blocking them changes memory, not
-the function. The engine runs one head at a time (see `jax_mha._flash._head`), and
-one head's float32 score block is kept to at most `SCORE_BLOCK_BYTES`: the whole
+the function. On one CPU device the engine runs one head at a time (head dims up to
+128; see `jax_mha._flash._head`), and one head's float32 score block is kept to at most
+`SCORE_BLOCK_BYTES` (with all heads together, a block holds that many bytes per head): the whole
 `(B, H, N, S)` scores (32 MB at B=4, H=8, N=S=512) are too big for the allocator to
 recycle (glibc serves blocks of 32 MB and more from mmap and hands them back, so each
 call page-faults them in anew) and fall out of cache; per-head blocks of a few MB are

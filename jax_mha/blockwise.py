@@ -3,11 +3,12 @@
 The same engine as `"xla"` (`jax_mha._flash`), with key blocks too, so that no
 `N x S` array exists in the forward or the backward pass: peak memory is
 `O(B·H·(N + S)·D + B·H·q_block·k_block)` plus any `mask`/`bias` the caller holds.
-Key blocks that causality or a window rule out are skipped, so causal attention does
-about half the work and a sliding window work proportional to N·window.
+Key blocks that causality, a window, the lengths or an all-False mask block rule out
+are skipped, so causal attention does about half the work and a sliding window work
+proportional to N·window.
 
-Default blocks 512 x 1024: the engine runs one head at a time, so a float32 score block
-is 2 MiB, cache-sized. On a 2-core CPU (B=1, H=8, N=S=4096, causal, forward+backward)
+Default blocks 512 x 1024: on one CPU device the engine runs one head at a time, so a
+float32 score block is 2 MiB, cache-sized. On a 2-core CPU (B=1, H=8, N=S=4096, causal, forward+backward)
 they ran 1.7x faster than 128 x 512 and as fast as 512 x 2048.
 """
 
