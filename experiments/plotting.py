@@ -142,6 +142,19 @@ def layer_head_heatmaps(
     return fig
 
 
+def _pruning_curves(ax, curves: dict, heads_prunable: dict, total_heads: int) -> None:
+    """One line per pruning order (`label -> (fractions, metric)`), a star where its
+    stop rule ended (`heads_prunable[label]` heads pruned)."""
+    styles = ["o-", "s--", "^-.", "d:"]
+    for i, (label, (fractions, values)) in enumerate(curves.items()):
+        (line,) = ax.plot(fractions, values, styles[i % len(styles)], ms=4, label=label)
+        k = heads_prunable.get(label)
+        if k is not None:
+            idx = int(np.argmin(np.abs(np.asarray(fractions) - k / total_heads)))
+            ax.plot([fractions[idx]], [values[idx]], "*", ms=15, color=line.get_color(), mec="black",
+                    label=f"{label}: {k}/{total_heads} heads prunable")
+
+
 def pruning_curves(
     curves: Mapping[str, tuple[np.ndarray, np.ndarray]],
     *,
@@ -171,14 +184,7 @@ def pruning_curves(
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
     ax.axhspan(base_accuracy - max_drop, base_accuracy, color="tab:green", alpha=0.15,
                label=f"within {100 * max_drop:g} point(s) of unpruned")
-    styles = ["o-", "s--", "^-.", "d:"]
-    for i, (label, (fractions, accuracies)) in enumerate(curves.items()):
-        (line,) = ax.plot(fractions, accuracies, styles[i % len(styles)], ms=4, label=label)
-        k = heads_prunable.get(label)
-        if k is not None:
-            idx = int(np.argmin(np.abs(np.asarray(fractions) - k / total_heads)))
-            ax.plot([fractions[idx]], [accuracies[idx]], "*", ms=15, color=line.get_color(), mec="black",
-                    label=f"{label}: {k}/{total_heads} heads prunable")
+    _pruning_curves(ax, curves, heads_prunable, total_heads)
     if chance is not None:
         ax.axhline(chance, color="grey", ls=":", label=f"no-attention chance ({chance:.3f})")
     ax.set(xlabel="fraction of heads pruned", ylabel="scored-token accuracy (teacher forced)",
@@ -488,14 +494,7 @@ def bpc_pruning_curves(
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
     ax.axhspan(base_bpc, base_bpc * (1 + max_rise), color="tab:green", alpha=0.2,
                label=f"within {100 * max_rise:g} % of unpruned ({base_bpc:.3f})")
-    styles = ["o-", "s--", "^-.", "d:"]
-    for i, (label, (fractions, bpc)) in enumerate(curves.items()):
-        (line,) = ax.plot(fractions, bpc, styles[i % len(styles)], ms=4, label=label)
-        k = heads_prunable.get(label)
-        if k is not None:
-            idx = int(np.argmin(np.abs(np.asarray(fractions) - k / total_heads)))
-            ax.plot([fractions[idx]], [bpc[idx]], "*", ms=15, color=line.get_color(), mec="black",
-                    label=f"{label}: {k}/{total_heads} heads prunable")
+    _pruning_curves(ax, curves, heads_prunable, total_heads)
     if all_off_bpc is not None:
         ax.axhline(all_off_bpc, color="grey", ls=":", label=f"every head off ({all_off_bpc:.3f})")
     ax.set(xlabel="fraction of heads pruned", ylabel="validation bits per character", title=title, xlim=(-0.02, 1.02))
