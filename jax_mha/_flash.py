@@ -1,8 +1,8 @@
 """The tuned attention engine: blocks of queries against blocks of keys, online softmax.
 
-Both tuned paths run this one engine; only the block sizes differ (`jax_mha.blockwise`
-chooses them): `"xla"` takes every key in one block (blocks of query rows sized to
-stay in cache), `"blockwise"` takes small key blocks too, so memory stays linear in N.
+`"blockwise"` runs it (`jax_mha.blockwise` chooses the blocks), and so does `"xla"`
+once its whole scores would be too big (`jax_mha.functional.WHOLE_SCORES_MAX_BYTES`);
+memory stays linear in N.
 
 * Forward (`_forward`): the FlashAttention recurrence (Dao et al. 2022, Alg. 1; Rabe &
   Staats 2021). Per query block, a running row maximum `m`, normaliser `l` and

@@ -34,14 +34,15 @@ def reference_weights(q, k, allowed=None, bias=None, *, scale: float):
     logits = logits * jnp.asarray(scale, dtype)
     if bias is not None:
         logits = logits + bias.astype(dtype)
-    ok = logits != -jnp.inf  # a -inf bias masks a key, as PyTorch users write masks
-    if allowed is not None:
-        ok = ok & allowed
-    empty = ~jnp.any(ok, axis=-1)
+    ok = allowed
+    if bias is not None:  # a -inf bias masks a key, as PyTorch users write masks
+        ok = logits != -jnp.inf if ok is None else ok & (logits != -jnp.inf)
+    if ok is None:
+        return jax.nn.softmax(logits, axis=-1), jnp.zeros(logits.shape[:-1], bool)
+    empty = ~jnp.any(ok, axis=-1, keepdims=True)
     masked = jnp.where(ok, logits, -jnp.inf)  # select, so a NaN where masked stays out
-    row_max = jax.lax.stop_gradient(jnp.max(masked, axis=-1, keepdims=True))
-    exp = jnp.exp(masked - jnp.where(empty[..., None], 0.0, row_max))
-    weights = jnp.where(empty[..., None], 0.0, exp / jnp.sum(exp, axis=-1, keepdims=True))
+    weights = jnp.where(empty, 0.0, jax.nn.softmax(jnp.where(empty, 0.0, masked), axis=-1))
+    empty = jnp.broadcast_to(empty[..., 0], logits.shape[:-1])
     return weights, empty
 
 

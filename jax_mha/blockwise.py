@@ -1,23 +1,30 @@
-"""The `"blockwise"` path: small query and key blocks, memory linear in N and S.
+"""The `"blockwise"` path: query and key blocks, memory linear in N and S.
 
-The same engine as `"xla"` (`jax_mha._flash`), with key blocks too, so that no
-`N x S` array exists in the forward or the backward pass: peak memory is
+The tuned engine (`jax_mha._flash`) in blocks, so that no `N x S` array exists in the forward or the backward pass: peak memory is
 `O(B·H·(N + S)·D + B·H·q_block·k_block)` plus any `mask`/`bias` the caller holds.
 Key blocks that causality, a window, the lengths or an all-False mask block rule out
 are skipped, so causal attention does about half the work and a sliding window work
 proportional to N·window.
 
-Default blocks 512 x 1024: on one CPU device the engine runs one head at a time, so a
-float32 score block is 2 MiB, cache-sized. On a 2-core CPU (B=1, H=8, N=S=4096, causal, forward+backward)
-they ran 1.7x faster than 128 x 512 and as fast as 512 x 2048.
+Default blocks (`default_blocks`): key blocks of 256, query blocks of 2048 rows
+without a causal or window pattern and of 512 with one. On one CPU device the engine
+runs one head at a time, so a float32 score block is 2 or 0.5 MiB, cache-sized; tall
+query blocks make fewer passes over the keys (each pass re-reads them and, in the
+backward, accumulates their gradients), while a pattern wants shorter ones so that
+whole blocks are skipped. Forward+backward of the core on a 2-core CPU, (B, H, N, D) =
+(1, 8, 2048, 64), ms: 2048 x 256 288-293, 1024 x 256 300-306, 512 x 512 349-359,
+512 x 1024 433-450; causal: 512 x 256 245, 1024 x 256 252, 2048 x 256 303, 512 x
+1024 363, 256 x 256 357.
 """
 
 from __future__ import annotations
 
 from jax_mha._flash import run_engine
 
-QUERY_BLOCK_SIZE = 512
-KEY_BLOCK_SIZE = 1024
+QUERY_BLOCK_SIZE = 2048  # rows per query block without a pattern to skip by
+PATTERN_QUERY_BLOCK_SIZE = 512  # ... and with a causal or window pattern
+KEY_BLOCK_SIZE = 256
+NARROW_WINDOW = 1024  # a window spanning fewer keys than this gets square blocks of its span
 NARROW_MIN_BLOCK = 128  # narrower blocks make matmuls too small to run efficiently on CPU
 
 
@@ -28,17 +35,19 @@ def _pow2_at_least(x: int) -> int:
 def default_blocks(is_causal: bool, window) -> tuple[int, int]:
     """`(query_block_size, key_block_size)` when the caller gives none.
 
-    512 x 1024; for a narrow band, square blocks of about its span `w` (a window
-    whose left + right, right counted as 0 when causal, is under 1024 keys; between
-    128 and 512): a query block then visits about `2w` keys where it needs `w +
-    q_block`, instead of one or two whole 1024-key blocks. On a 2-core CPU (N=4,096,
+    2048 x 256 without a pattern, 512 x 256 when causal or windowed; for a narrow band,
+    square blocks of about its span `w` (a window whose left + right, right counted as
+    0 when causal, is under `NARROW_WINDOW` keys; between 128 and 512): a query block
+    then visits about `2w` keys where it needs `w + q_block`. On a 2-core CPU (N=4,096,
     a (256, 0) window, forward+backward) 256 x 256 ran 1.4x faster than 512 x 1024.
     """
     right = None if window is None else (0 if is_causal else window.right)  # causal: no key after the query
-    if window is None or window.left is None or right is None or window.left + right >= KEY_BLOCK_SIZE:
-        return QUERY_BLOCK_SIZE, KEY_BLOCK_SIZE
-    side = min(QUERY_BLOCK_SIZE, max(NARROW_MIN_BLOCK, _pow2_at_least(window.left + right)))
-    return side, side
+    if window is not None and window.left is not None and right is not None and window.left + right < NARROW_WINDOW:
+        side = min(PATTERN_QUERY_BLOCK_SIZE, max(NARROW_MIN_BLOCK, _pow2_at_least(window.left + right)))
+        return side, side
+    if is_causal or window is not None:
+        return PATTERN_QUERY_BLOCK_SIZE, KEY_BLOCK_SIZE
+    return QUERY_BLOCK_SIZE, KEY_BLOCK_SIZE
 
 
 def blockwise_attention(q, k, v, *, query_block_size=None, key_block_size=None, **description):

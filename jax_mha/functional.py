@@ -7,8 +7,8 @@ The public layer of the core. Beneath it (each file tested against the one below
   _masking.py     the one description of which (query, key) pairs may attend
   _flash.py       the tuned engine: query blocks x key blocks, online softmax, one
                   custom JVP whose transpose is the FlashAttention-2 backward
-  _dense.py       "xla": the engine with all keys in one block (query blocks for the cache)
-  blockwise.py    "blockwise": the engine with small key blocks too (memory linear in N)
+  blockwise.py    "blockwise": the engine in blocks (memory linear in N); also "xla"
+                  once the whole scores would be too big (`WHOLE_SCORES_MAX_BYTES`)
   _cudnn.py       "cudnn": the description translated for jax.nn's cuDNN kernel
 
 Axis letters used in shapes and einsum strings:
@@ -29,18 +29,32 @@ import jax.numpy as jnp
 
 from jax_mha import _masking
 from jax_mha._cudnn import cudnn_attention, cudnn_problem
-from jax_mha._dense import dense_attention
 from jax_mha._reference import mix, reference_weights
 from jax_mha.blockwise import blockwise_attention
 
 IMPLEMENTATIONS = ("xla", "blockwise", "cudnn", "auto")
 EMPTY_ROWS = ("zero", "uniform")
 
-# Sequences with at least this many query x key pairs per head go to the blockwise
-# path under implementation="auto": from there on its memory stays linear in N while
-# the "xla" path's score blocks grow with S, and it was the faster for forward+backward
-# on a 2-core CPU (experiments/benchmark.py).
-AUTO_BLOCKWISE_MIN_SCORES = 2048 * 2048
+# The "xla" path builds the whole float32 scores `(B…, H, N, S)` (the reference, plain
+# autodiff: what jax.nn's "xla" does) up to this many bytes, and beyond runs the
+# blockwise engine. Forward+backward on a 2-core CPU, whole vs engine, ms, of the core
+# at (B, H, N, D) = (64, 8, 34, 32) causal (2.4 MB, the copy task): 8.4 vs 22.8;
+# (8, 8, 128, 32): 11.5 vs 16.7; (4, 4, 512, 128) (16 MiB): 66 vs 80; (1, 8, 2048, 64)
+# (128 MiB): 383 vs 288. At 32 MiB, (4, 8, 512, 64), the two were within noise of each
+# other for the core and the engine was faster in the layer (186 vs 176 ms, one run).
+WHOLE_SCORES_MAX_BYTES = 16 * 2**20
+
+
+def whole_scores_fit(q, k) -> bool:
+    """Whether `"xla"` builds the whole scores for these `q (B…, H, N, D)` and
+    `k (B…, K, S, D)` (arrays or shape structs): float32 or float64 inputs whose
+    float32 scores take at most `WHOLE_SCORES_MAX_BYTES`. bfloat16 and float16 inputs
+    go to the engine, which multiplies them in their own dtype with float32
+    accumulation; the whole-scores route computes in float32 throughout."""
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)):
+        return False
+    batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3])
+    return math.prod(batch + q.shape[-3:-1] + k.shape[-2:-1]) * 4 <= WHOLE_SCORES_MAX_BYTES
 
 
 class DTypeError(TypeError, ValueError):
@@ -315,7 +329,7 @@ def resolve_implementation(
 ) -> str:
     """The path `attention` takes for these inputs: `implementation` itself, or for
     `"auto"`/None the fastest valid one (cuDNN on a GPU when the inputs allow it,
-    `"blockwise"` from N·S >= AUTO_BLOCKWISE_MIN_SCORES, else `"xla"`).
+    `"xla"` while the whole scores fit `WHOLE_SCORES_MAX_BYTES`, else `"blockwise"`).
 
     Args:
       q, k, v: arrays or `jax.ShapeDtypeStruct`s shaped as for `attention`.
@@ -337,7 +351,7 @@ def resolve_implementation(
         return implementation
     if cudnn_problem(q, k, v, dropout, return_weights) is None:
         return "cudnn"
-    if not (return_weights or dropout) and q.shape[-2] * k.shape[-2] >= AUTO_BLOCKWISE_MIN_SCORES:
+    if not (return_weights or dropout or whole_scores_fit(q, k)):
         return "blockwise"
     return "xla"
 
@@ -482,13 +496,14 @@ def attention(
       dropout_rng: PRNG key for the dropout.
       deterministic: disables dropout.
       return_weights: also return the weights (after dropout, as applied to `v`).
-      implementation: `"xla"` (all keys in one block; the weights path when they are
-        returned or dropped out), `"blockwise"` (memory linear in N; skips blocks that
+      implementation: `"xla"` (the whole scores built and differentiated as written,
+        as jax.nn's "xla"; the blockwise engine once they would pass
+        `WHOLE_SCORES_MAX_BYTES`), `"blockwise"` (memory linear in N; skips blocks that
         causality or the window rule out), `"cudnn"` (jax.nn's fused GPU kernel;
         reverse-mode only), or `"auto"`/None (`resolve_implementation`).
       query_block_size, key_block_size: block sizes of the blockwise path; None
-        picks them (`jax_mha.blockwise.default_blocks`: 512 x 1024, smaller for a
-        narrow window).
+        picks them (`jax_mha.blockwise.default_blocks`: 2048 x 256, 512 x 256 when
+        causal or windowed, smaller for a narrow window).
 
     Returns:
       `out (B…, H, N, Dv)` in `q`'s dtype, or `(out, weights (B…, H, N, S))` when
@@ -534,19 +549,20 @@ def _run_path(path, q, k, v, bad_kv, desc, scale, dropout_rate, dropout_rng, ret
         weights = jnp.zeros(batch + q.shape[-3:-1] + (s,), out.dtype) if return_weights else None
         no_rows = jnp.zeros(out.shape[:-1], bool)
         return out, weights, no_rows, no_rows
-    if return_weights or dropout_rate > 0.0:
-        return _weights_path(q, k, v, bad_kv, desc, scale, dropout_rate, dropout_rng)
+    if return_weights or dropout_rate > 0.0 or (path == "xla" and whole_scores_fit(q, k)):
+        out, weights, empty, touched = _weights_path(q, k, v, bad_kv, desc, scale, dropout_rate, dropout_rng)
+        return out, weights if return_weights else None, empty, touched
     if path == "cudnn":
         out, empty, touched = cudnn_attention(q, k, v, bad_kv=bad_kv, scale=scale, **desc)
         return out, None, empty, touched
-    if path == "blockwise":
+    if path == "blockwise":  # "xla" too big for the whole scores takes the default blocks
         q_block = None if q_block is None else _index("query_block_size", q_block)
         k_block = None if k_block is None else _index("key_block_size", k_block)
         if any(b is not None and b < 1 for b in (q_block, k_block)):
             raise ValueError(f"block sizes must be >= 1, got query_block_size={q_block}, key_block_size={k_block}")
-        out, lse, touched = blockwise_attention(
-            q, k, v, query_block_size=q_block, key_block_size=k_block, scale=scale, bad_kv=bad_kv, **desc
-        )
     else:
-        out, lse, touched = dense_attention(q, k, v, scale=scale, bad_kv=bad_kv, **desc)
+        q_block = k_block = None
+    out, lse, touched = blockwise_attention(
+        q, k, v, query_block_size=q_block, key_block_size=k_block, scale=scale, bad_kv=bad_kv, **desc
+    )
     return out, None, lse == jnp.inf, touched

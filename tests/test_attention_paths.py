@@ -1,6 +1,7 @@
 """One suite, every attention path: values, every JAX transformation, dtypes, edge cases.
 
-Paths: "xla" (the engine with all keys in one block), "blockwise" (the engine with
+Paths: "xla" (at these sizes the whole scores; `test_xla_beyond_the_whole_scores_
+budget_runs_the_engine` covers its other route), "blockwise" (the engine with
 small 4 x 8 blocks, so that padding, several blocks and block skipping all happen),
 "weights" (return_weights=True: the reference path) and "cudnn" (GPU only; skipped
 here with the reason). Every case is checked against references written apart from
@@ -119,6 +120,27 @@ def test_values_match_float64_reference(rng, path, name):
     out = run(path, q, k, v, **kw)
     chex.assert_shape(out, expected.shape)
     np.testing.assert_allclose(np.asarray(out), expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["causal_lengths_bias_mask", "masked_blocks"])
+def test_xla_beyond_the_whole_scores_budget_runs_the_engine(rng, monkeypatch, name):
+    """Over `WHOLE_SCORES_MAX_BYTES` "xla" runs the blockwise engine (its default
+    blocks): the reference's values, and the gradients of the whole-scores route."""
+    from jax_mha import functional
+
+    q, k, v, kw, allowed = make(rng, CASES[name])
+    expected, _ = np_attention(q, k, v, mask=allowed, bias=kw.get("bias"))
+    def run_and_grads():  # fresh functions: JAX caches traces by function
+        f = lambda q, k, v: attention(q, k, v, implementation="xla", **kw)
+        loss = lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
+        return str(jax.make_jaxpr(f)(q, k, v)), f(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    whole_jaxpr, _, whole_grads = run_and_grads()
+    monkeypatch.setattr(functional, "WHOLE_SCORES_MAX_BYTES", 0)
+    engine_jaxpr, out, grads = run_and_grads()
+    assert "flash_attention" not in whole_jaxpr and "flash_attention" in engine_jaxpr
+    np.testing.assert_allclose(np.asarray(out), expected, atol=2e-6, rtol=1e-5)
+    chex.assert_trees_all_close(grads, whole_grads, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -529,16 +551,17 @@ def test_all_heads_together_match_reference_values_and_gradients(rng, monkeypatc
         chex.assert_trees_all_close(jax.grad(loss, argnums=(0, 1, 2))(q, k, v, f), ref_grads, atol=2e-5, rtol=1e-4)
 
 
-def test_default_blocks_fit_narrow_windows():
+def test_default_blocks_fit_the_pattern():
     from jax_mha.blockwise import default_blocks
 
-    assert default_blocks(True, None) == (512, 1024)
+    assert default_blocks(False, None) == (2048, 256)  # nothing to skip: tall query blocks
+    assert default_blocks(True, None) == (512, 256)
     assert default_blocks(True, Window(256, 0)) == (256, 256)
     assert default_blocks(True, Window(256, None)) == (256, 256)  # causal: nothing right of the query
     assert default_blocks(False, Window(100, 100)) == (256, 256)
     assert default_blocks(True, Window(0, 0)) == (128, 128)
-    assert default_blocks(False, Window(3, None)) == (512, 1024)  # unbounded on the right
-    assert default_blocks(True, Window(2000, 0)) == (512, 1024)
+    assert default_blocks(False, Window(3, None)) == (512, 256)  # unbounded on the right
+    assert default_blocks(True, Window(2000, 0)) == (512, 256)
 
 
 def test_blockwise_memory_is_linear_in_sequence_length():
