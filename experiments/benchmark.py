@@ -23,7 +23,10 @@ Method. Every layer is compiled and warmed up first; then the layers of one shap
 timed *round-robin* (one sample of each in turn, `repeats` times), each sample
 averaging enough calls to last `min_sample_s`, and the median sample is reported.
 Interleaving means background load hits every layer alike, so the ratios within a run
-stay meaningful on a shared machine even when absolute times drift.
+stay meaningful on a shared machine even when absolute times drift. Every backward
+starts from the same fixed random output gradient (`cotangent`). The run calls
+`jax_mha.host_memory.reuse_freed_memory` first (as every experiment does), for the
+PyTorch rows too: they share the process.
 
 FLOPs counted (multiply-add = 2, `experiments.common.attention_flops`): projections
 `8·B·N·d²` (q, k, v, out) plus attention `4·B·N²·d` (QKᵀ and PV); forward+backward
@@ -176,10 +179,18 @@ def jax_layers(num_heads: int) -> dict[str, tuple[Callable, Callable]]:
     return layers
 
 
+def cotangent(shape) -> np.ndarray:
+    """The fixed random output gradient every backward starts from, in both libraries:
+    a `.sum()` loss's all-ones gradient would let XLA fold the output projection's
+    gradient matmuls into reductions, which PyTorch does not do."""
+    return np.random.default_rng(5).standard_normal(shape).astype(np.float32)
+
+
 def jax_timers(name: str, init: Callable, apply: Callable, x: jax.Array) -> dict[str, Callable[[], Any]]:
     params = init(jax.random.PRNGKey(0), x)
     fwd = jax.jit(apply)
-    fwd_bwd = jax.jit(jax.grad(lambda p, x: apply(p, x).sum(), argnums=(0, 1)))
+    g = jnp.asarray(cotangent(x.shape))
+    fwd_bwd = jax.jit(jax.grad(lambda p, x: jnp.vdot(apply(p, x), g), argnums=(0, 1)))
     return {(name, "fwd"): _blocking(fwd, params, x), (name, "fwd+bwd"): _blocking(fwd_bwd, params, x)}
 
 
@@ -230,11 +241,12 @@ def torch_timers(b: int, n: int, d: int, h: int) -> dict[tuple[str, str], Callab
                 return module(x)
 
         xg = x.clone().requires_grad_(True)
+        g = torch.from_numpy(cotangent((b, n, d)))
 
         def fwd_bwd(module=module, xg=xg):
             module.zero_grad(set_to_none=True)
             xg.grad = None
-            module(xg).sum().backward()
+            module(xg).backward(g)
 
         timers[(name, "fwd")] = fwd
         timers[(name, "fwd+bwd")] = fwd_bwd
@@ -310,9 +322,10 @@ def torch_copy_train_step(cfg_train, vocab: int, max_len: int, d_ff: int):
         nll = F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1), reduction="none")
         loss = (nll * weight.reshape(-1)).sum() / weight.sum().clamp(min=1.0)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg_train.grad_clip_norm)
-        opt.step()
-        sched.step()
+        with torch.profiler.record_function(OPTIMIZER_PART):  # names the part in `profile_torch_step`
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg_train.grad_clip_norm)
+            opt.step()
+            sched.step()
         with torch.no_grad():  # the JAX step also reports accuracy
             _ = ((logits.argmax(-1) == targets).float() * weight).sum() / weight.sum()
         return loss
@@ -320,8 +333,23 @@ def torch_copy_train_step(cfg_train, vocab: int, max_len: int, d_ff: int):
     return step
 
 
-def time_train_steps(cfg: BenchConfig, with_torch: bool) -> dict[str, float]:
-    """Median seconds per training step: jax_mha's jitted optax step vs PyTorch eager."""
+@dataclasses.dataclass
+class TrainSteps:
+    """The copy-task training step in both libraries, on one fixed batch."""
+
+    jax_step: Callable  # (state, batch, rng) -> (state, metrics); the state is donated
+    state: Any
+    batch: dict
+    rng: jax.Array
+    torch_step: Callable[[], Any] | None  # one eager step on the same batch
+
+    def run_jax(self, calls: int) -> None:
+        for _ in range(calls):
+            self.state, metrics = self.jax_step(self.state, self.batch, self.rng)
+        jax.block_until_ready(metrics["loss"])
+
+
+def train_steps(with_torch: bool) -> TrainSteps:
     from jax_mha.data import CopyTaskConfig
     from jax_mha.models import Decoder, ModelConfig
     from jax_mha.train import TrainConfig, init_state, jit_train_step, make_optimizer
@@ -331,31 +359,126 @@ def time_train_steps(cfg: BenchConfig, with_torch: bool) -> dict[str, float]:
     train_cfg = TrainConfig(batch_size=TRAIN_BATCH)
     model = Decoder(model_cfg)
     optimizer = make_optimizer(train_cfg)
-    step = jit_train_step(model, optimizer)
     batch = task.batch(jax.random.PRNGKey(1), TRAIN_BATCH)
-    holder = {"state": init_state(jax.random.PRNGKey(0), model, optimizer)}
-    rng = jax.random.PRNGKey(2)
-
-    def jax_calls():
-        for _ in range(cfg.train_calls):
-            holder["state"], metrics = step(holder["state"], batch, rng)  # the state is donated
-        jax.block_until_ready(metrics["loss"])
-
-    fns = {"jax_mha train step (jit, optax)": jax_calls}
+    torch_step = None
     if with_torch:
         import torch
 
-        torch_step = torch_copy_train_step(train_cfg, task.vocab_size, model_cfg.max_len, model_cfg.d_ff)
+        step = torch_copy_train_step(train_cfg, task.vocab_size, model_cfg.max_len, model_cfg.d_ff)
         tokens, targets, scored = (torch.from_numpy(np.array(batch[k])) for k in ("inputs", "targets", "scored"))
-        tokens, targets = tokens.long(), targets.long()
+        torch_step = functools.partial(step, tokens.long(), targets.long(), scored)
+    return TrainSteps(jit_train_step(model, optimizer), init_state(jax.random.PRNGKey(0), model, optimizer),
+                      batch, jax.random.PRNGKey(2), torch_step)
 
-        def torch_calls():
-            for _ in range(cfg.train_calls):
-                torch_step(tokens, targets, scored)
 
-        fns["torch train step (eager, AdamW)"] = torch_calls
+def time_train_steps(cfg: BenchConfig, with_torch: bool) -> dict[str, float]:
+    """Median seconds per training step: jax_mha's jitted optax step vs PyTorch eager."""
+    steps = train_steps(with_torch)
+    fns = {"jax_mha train step (jit, optax)": lambda: steps.run_jax(cfg.train_calls)}
+    if with_torch:
+        fns["torch train step (eager, AdamW)"] = lambda: [steps.torch_step() for _ in range(cfg.train_calls)]
     run_cfg = dataclasses.replace(cfg, repeats=cfg.train_repeats, min_sample_s=0.0)
     return {name: t / cfg.train_calls for name, t in time_interleaved(fns, run_cfg).items()}
+
+
+# ---------------------------------------------------------------------------------
+# Where a training step's time goes, in both libraries.
+# ---------------------------------------------------------------------------------
+
+OPTIMIZER_PART = "optimizer (clip + AdamW)"
+PROFILE_PARTS = ("embedding", "LayerNorm", "attention projections", "attention core", "feed-forward",
+                 "logits + loss", "optimizer (clip + AdamW)", "other")  # other: residual adds, copies, bias sums
+
+
+def _jax_part(op_name: str) -> str:
+    """The part of the step an XLA op belongs to, from the module path in its name."""
+    import re
+
+    if "Decoder" not in op_name:
+        return "logits + loss" if re.search(r"jvp\(|transpose\(", op_name) else "optimizer (clip + AdamW)"
+    for pattern, part in ((r"/ffn/", "feed-forward"), (r"/attention/(query|key|value|out)/", "attention projections"),
+                          (r"/attention/", "attention core"), (r"norm", "LayerNorm"), (r"embed|positions", "embedding"),
+                          (r"/logits/", "logits + loss")):
+        if re.search(pattern, op_name):
+            return part
+    return "other"
+
+
+def profile_jax_step(steps: TrainSteps, calls: int) -> dict[str, float]:
+    """ms per step in each part of the jitted step: every XLA op's time from a
+    `jax.profiler` trace, assigned by the module path in its HLO metadata. Ops on the
+    two cores can overlap, so the parts can sum to more than the step."""
+    import glob
+    import gzip
+    import json
+    import re
+    import tempfile
+
+    hlo = steps.jax_step.lower(steps.state, steps.batch, steps.rng).compile().as_text()
+    part = {m.group(1): _jax_part(m.group(2)) for m in re.finditer(r'%([\w.\-]+) = [^\n]*?op_name="([^"]*)"', hlo)}
+    steps.run_jax(2)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+        steps.run_jax(calls)
+        jax.profiler.stop_trace()
+        (trace,) = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
+        events = json.load(gzip.open(trace))["traceEvents"]
+    ms = dict.fromkeys(PROFILE_PARTS, 0.0)
+    for e in events:
+        if e.get("ph") == "X" and e["name"] in part:
+            ms[part[e["name"]]] += e["dur"] / 1e3 / calls
+    return ms
+
+
+def _torch_part(op: str, shapes: str) -> str:
+    """The part of the step a PyTorch op outside the optimizer belongs to, from its
+    name and, for matmuls, its inputs' shapes."""
+    op = op.lower()
+    if "embedding" in op:
+        return "embedding"
+    if "layer_norm" in op:
+        return "LayerNorm"
+    if "attention" in op or "flash" in op:
+        return "attention core"
+    if "gelu" in op:
+        return "feed-forward"
+    if "softmax" in op or "nll" in op or "cross_entropy" in op:
+        return "logits + loss"
+    if op in ("aten::mm", "aten::addmm", "aten::bmm"):
+        if str(TRAIN_D_MODEL * 4) in shapes:
+            return "feed-forward"
+        return "logits + loss" if ", 14]" in shapes or "[14," in shapes else "attention projections"
+    return "other"
+
+
+def profile_torch_step(steps: TrainSteps, calls: int) -> dict[str, float]:
+    """ms per step in each part of PyTorch's eager step: the self time of every op
+    (`torch.profiler`); ops under the step's optimizer scope are the optimizer, the
+    rest are assigned by op name and, for matmuls, input shapes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        steps.torch_step()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(calls):
+            steps.torch_step()
+    ms = dict.fromkeys(PROFILE_PARTS, 0.0)
+    for event in prof.events():
+        scope, in_optimizer = event.cpu_parent, event.name == OPTIMIZER_PART
+        while scope is not None and not in_optimizer:
+            in_optimizer, scope = scope.name == OPTIMIZER_PART, scope.cpu_parent
+        part = OPTIMIZER_PART if in_optimizer else _torch_part(event.name, str(event.input_shapes))
+        ms[part] += event.self_cpu_time_total / 1e3 / calls
+    return ms
+
+
+def profile_train_steps(with_torch: bool, calls: int = 5) -> dict[str, dict[str, float]]:
+    """`{library: {part: ms per step}}` for the copy-task training step."""
+    steps = train_steps(with_torch)
+    out = {"jax_mha (jit, optax)": profile_jax_step(steps, calls)}
+    if with_torch:
+        out["torch (eager, AdamW)"] = profile_torch_step(steps, calls)
+    return out
 
 
 def roofline(cfg: BenchConfig, with_torch: bool) -> dict[str, float]:
@@ -559,6 +682,8 @@ def run(cfg: BenchConfig, with_torch: bool, sections: tuple[str, ...] = ("train"
     if "train" in sections:
         print("timing the copy-task training step", flush=True)
         result["train_step_ms"] = {k: 1e3 * v for k, v in time_train_steps(cfg, with_torch).items()}
+        print("profiling one training step in each library", flush=True)
+        result["train_profile_ms"] = profile_train_steps(with_torch, cfg.train_calls)
         partial(result)
     if "windows" in sections:
         print(f"timing sliding windows at N = {', '.join(map(str, cfg.window_lengths))} (seconds per call)", flush=True)
@@ -671,6 +796,7 @@ def format_table(result: dict[str, Any]) -> str:
     if result["train_step_ms"]:
         lines += ["", "| training step (copy task, d=256, 8 heads, 2 layers, batch 64 × 34 tokens) | ms/step |", "| --- | ---: |"]
         lines += [f"| {k} | {v:.1f} |" for k, v in result["train_step_ms"].items()]
+    lines += _profile_table(result.get("train_profile_ms", {}))
     if result.get("projection_ms"):
         ms = result["projection_ms"]
         lines += ["", f"projections (4 Dense layers, fwd+bwd, {PROJECTION_SHAPE}): projection_dot_general "
@@ -680,6 +806,18 @@ def format_table(result: dict[str, Any]) -> str:
     if result.get("contended"):
         lines.insert(3, "CONTENDED RUN: other work shared the CPU (see the warning below)")
     return "\n".join(lines)
+
+
+def _profile_table(profile: dict[str, dict[str, float]]) -> list[str]:
+    """Where one training step's time goes, ms per part, one column per library."""
+    if not profile:
+        return []
+    libs = list(profile)
+    lines = ["", "| part of the training step, ms | " + " | ".join(libs) + " |", "| --- |" + " ---: |" * len(libs)]
+    for part in PROFILE_PARTS:
+        lines.append(f"| {part} | " + " | ".join(f"{profile[lib][part]:.1f}" for lib in libs) + " |")
+    lines.append("| sum of the parts | " + " | ".join(f"{sum(profile[lib].values()):.1f}" for lib in libs) + " |")
+    return lines
 
 
 def _window_table(rows: list[dict]) -> list[str]:

@@ -79,3 +79,59 @@ def test_bad_config_values_raise():
         benchmark.BenchConfig(decode_lengths=(1,))
     with pytest.raises(ValueError, match="window_repeats"):
         benchmark.BenchConfig(window_repeats=0)
+
+
+@pytest.mark.parametrize("op_name, part", [
+    ("jit(step)/jvp(Decoder)/block_1/ffn/hidden/dot_general", "feed-forward"),
+    ("jit(step)/transpose(jvp(Decoder))/block_0/attention/value/dot_general", "attention projections"),
+    ("jit(step)/jvp(Decoder)/block_0/attention/...hnd,...hsd->...hns/dot_general", "attention core"),
+    ("jit(step)/jvp(Decoder)/block_0/norm1/reduce_sum", "LayerNorm"),
+    ("jit(step)/jvp(Decoder)/final_norm/mul", "LayerNorm"),
+    ("jit(step)/jvp(Decoder)/embed/jit(_take)/gather", "embedding"),
+    ("jit(step)/jvp(Decoder)/logits/dot_general", "logits + loss"),
+    ("jit(step)/jvp()/reduce_max", "logits + loss"),
+    ("jit(step)/sqrt", "optimizer (clip + AdamW)"),
+    ("jit(step)/jvp(Decoder)/block_0/add", "other"),
+])
+def test_profile_assigns_xla_ops_by_module_path(op_name, part):
+    assert benchmark._jax_part(op_name) == part
+
+
+@pytest.mark.parametrize("op, shapes, part", [
+    ("aten::addmm", "[[1024], [2176, 256], [256, 1024]]", "feed-forward"),
+    ("aten::mm", "[[2176, 256], [256, 256]]", "attention projections"),
+    ("aten::addmm", "[[14], [2176, 256], [256, 14]]", "logits + loss"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "[]", "attention core"),
+    ("aten::native_layer_norm_backward", "[]", "LayerNorm"),
+    ("aten::gelu_backward", "[]", "feed-forward"),
+    ("aten::add", "[]", "other"),
+])
+def test_profile_assigns_torch_ops_by_name_and_shape(op, shapes, part):
+    assert benchmark._torch_part(op, shapes) == part
+
+
+def test_jax_step_profile_covers_the_step():
+    """A real trace of the copy-task step: time in every model part, and the parts
+    together about the step's time."""
+    import time
+
+    steps = benchmark.train_steps(with_torch=False)
+    steps.run_jax(2)
+    t0 = time.perf_counter()
+    steps.run_jax(3)
+    step_ms = (time.perf_counter() - t0) / 3 * 1e3
+    parts = benchmark.profile_jax_step(steps, calls=3)
+    assert set(parts) == set(benchmark.PROFILE_PARTS)
+    for part in ("LayerNorm", "attention projections", "attention core", "feed-forward", "optimizer (clip + AdamW)"):
+        assert parts[part] > 0, parts
+    assert 0.5 * step_ms < sum(parts.values()) < 2.0 * step_ms, (parts, step_ms)
+    table = "\n".join(benchmark._profile_table({"jax_mha (jit, optax)": parts}))
+    assert "| attention core |" in table and "| sum of the parts |" in table
+
+
+def test_torch_step_profile_covers_the_step():
+    pytest.importorskip("torch", reason="the PyTorch rows need torch (pip install -e .[torch])")
+    steps = benchmark.train_steps(with_torch=True)
+    parts = benchmark.profile_torch_step(steps, calls=2)
+    for part in ("LayerNorm", "attention projections", "attention core", "feed-forward", "optimizer (clip + AdamW)"):
+        assert parts[part] > 0, parts
