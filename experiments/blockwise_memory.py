@@ -7,8 +7,8 @@ recomputing custom VJP, `jax_mha.blockwise`) should grow as N. Each (N, implemen
 runs `jit(grad(sum(attention(q, k, v))))` w.r.t. q, k, v once, in a fresh Python
 process, so its peak resident set size (ru_maxrss, from `os.wait4`) is its own.
 
-    python -m experiments.blockwise_memory            # N = 1024 ... 8192: ~2 min, ~3 GiB free memory
-    python -m experiments.blockwise_memory --full     # adds N = 16384 and 32768: ~10 min, ~16 GiB free
+    python -m experiments.blockwise_memory            # N = 1024 ... 8192: ~1 min, ~11 GiB free memory
+    python -m experiments.blockwise_memory --full     # adds N = 16384 and 32768: ~5 min, ~16 GiB free
     python -m experiments.blockwise_memory --lengths 512 1024 --out /tmp/bm/results.json   # smoke run
 
 The first line of output states the memory the run needs (estimated from the sizes)
@@ -53,11 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = common.parser("experiments.blockwise_memory",
                       "Peak RSS and wall time of jitted forward+backward attention (grad of sum(out) w.r.t. q, k, v) "
                       "for the 'xla' and 'blockwise' implementations, one fresh process per (N, implementation). The default "
-                           "(N = 1024 ... 8192) takes ~2 min and ~3 GiB of free memory on a 2-core CPU.")
+                           "(N = 1024 ... 8192) takes ~1 min and ~11 GiB of free memory on a 2-core CPU.")
     p.add_argument("--lengths", type=common.positive_int, nargs="+",
                    help=f"sequence lengths N (= S, self-attention) (default {' '.join(map(str, QUICK_LENGTHS))}; "
                         f"--full: {' '.join(map(str, FULL_LENGTHS))})")
-    p.add_argument("--full", action="store_true", help="also N = 16384 and 32768 (~10 min; ~16 GiB free memory: the xla child at N=32768 "
+    p.add_argument("--full", action="store_true", help="also N = 16384 and 32768 (~5 min; ~16 GiB free memory: the xla child at N=16384 "
                         "asks for more and is killed at --max-rss-gib)")
     p.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS),
                    help="implementations to compare (default: %(default)s)")
@@ -65,10 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=common.positive_int, default=8, help="heads H (default: %(default)s)")
     p.add_argument("--head-dim", type=common.positive_int, default=64, help="head dim D (default: %(default)s)")
     p.add_argument("--causal", action="store_true", help="use is_causal=True (default: full bidirectional attention)")
-    p.add_argument("--query-block-size", type=common.positive_int, default=512,
-                   help="blockwise query block size (default: %(default)s)")
-    p.add_argument("--key-block-size", type=common.positive_int, default=1024,
-                   help="blockwise key block size (default: %(default)s)")
+    p.add_argument("--query-block-size", type=common.positive_int,
+                   help="blockwise query block size (default: the library's, jax_mha.blockwise.default_blocks)")
+    p.add_argument("--key-block-size", type=common.positive_int,
+                   help="blockwise key block size (default: the library's, jax_mha.blockwise.default_blocks)")
     p.add_argument("--max-rss-gib", type=common.positive_float, default=16.0,
                    help="kill a child whose resident memory passes this many GiB and record it as OOM; larger N "
                         "of that implementation are then skipped (default: %(default)s)")
@@ -95,11 +95,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def estimate_gib(impl: str, n: int, args: argparse.Namespace) -> float:
-    """Peak RSS a child is expected to need: the plain path keeps the (B, H, N, N)
-    float32 weights for its backward pass; blockwise about six (B, H, N, D) arrays
-    (inputs, output, their gradients). Matches the measured table within ~10 %."""
+    """Peak RSS a child is expected to need: the whole-scores route holds about five
+    (B, H, N, N) float32 arrays at once (logits, weights and their gradients;
+    measured 10.9 GiB at N=8192 where this says 10.6); blockwise about six
+    (B, H, N, D) arrays (inputs, output, their gradients)."""
     if impl == "xla":
-        return BASE_GIB + args.batch * args.heads * n * n * 4 / GIB
+        return BASE_GIB + 5 * args.batch * args.heads * n * n * 4 / GIB
     return BASE_GIB + 6 * args.batch * args.heads * n * args.head_dim * 4 / GIB
 
 
@@ -214,9 +215,11 @@ def _child_cmd(args: argparse.Namespace, n: int, impl: str) -> list[str]:
         sys.executable, "-m", "experiments.blockwise_memory", "--child",
         "--lengths", str(n), "--implementations", impl,
         "--batch", str(args.batch), "--heads", str(args.heads), "--head-dim", str(args.head_dim),
-        "--query-block-size", str(args.query_block_size), "--key-block-size", str(args.key_block_size),
         "--parent-pid", str(os.getpid()),
-    ] + (["--causal"] if args.causal else [])
+    ] + (["--causal"] if args.causal else []) + [
+        arg for flag, size in (("--query-block-size", args.query_block_size), ("--key-block-size", args.key_block_size))
+        if size is not None for arg in (flag, str(size))
+    ]
 
 
 def _watch(proc: subprocess.Popen, args: argparse.Namespace) -> tuple[int, Any, str | None, float]:
