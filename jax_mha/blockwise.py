@@ -6,24 +6,24 @@ Key blocks that causality, a window, the lengths or an all-False mask block rule
 are skipped, so causal attention does about half the work and a sliding window work
 proportional to N·window.
 
-Default blocks (`default_blocks`): key blocks of 256, query blocks of 2048 rows
-without a causal or window pattern and of 512 with one. On one CPU device the engine
-runs one head at a time, so a float32 score block is 2 or 0.5 MiB, cache-sized; tall
-query blocks make fewer passes over the keys (each pass re-reads them and, in the
-backward, accumulates their gradients), while a pattern wants shorter ones so that
-whole blocks are skipped. Forward+backward of the core on a 2-core CPU, (B, H, N, D) =
-(1, 8, 2048, 64), ms: 2048 x 256 288-293, 1024 x 256 300-306, 512 x 512 349-359,
-512 x 1024 433-450; causal: 512 x 256 245, 1024 x 256 252, 2048 x 256 303, 512 x
-1024 363, 256 x 256 357.
+Default blocks (`default_blocks`): 2048 query rows x 256 keys without a causal or
+window pattern, 512 x 512 with one. On one CPU device the engine runs one head at a
+time, so a float32 score block is 2 or 1 MiB, cache-sized. Without a pattern nothing
+is skipped, and tall query blocks make fewer passes over the keys (each pass re-reads
+them and, in the backward, accumulates their gradients); a pattern wants shorter query
+blocks so that whole key blocks are skipped. Forward+backward of the core on a 2-core
+CPU, (B, H, D) = (1, 8, 64), seconds: N=2048, 2048 x 256 0.29, 1024 x 256 0.30, 512 x
+512 0.35, 512 x 1024 0.43-0.45; N=8192, 2048 x 256 5.1, 512 x 1024 7.1. Causal: N=4096,
+512 x 512 0.93, 512 x 256 0.98, 512 x 1024 1.21; N=16384, 512 x 512 21.8, 512 x 256
+35.5, 512 x 1024 20.3.
 """
 
 from __future__ import annotations
 
 from jax_mha._flash import run_engine
 
-QUERY_BLOCK_SIZE = 2048  # rows per query block without a pattern to skip by
-PATTERN_QUERY_BLOCK_SIZE = 512  # ... and with a causal or window pattern
-KEY_BLOCK_SIZE = 256
+QUERY_BLOCK_SIZE, KEY_BLOCK_SIZE = 2048, 256  # without a pattern to skip by
+PATTERN_BLOCK_SIZE = 512  # square blocks with a causal or window pattern
 NARROW_WINDOW = 1024  # a window spanning fewer keys than this gets square blocks of its span
 NARROW_MIN_BLOCK = 128  # narrower blocks make matmuls too small to run efficiently on CPU
 
@@ -35,7 +35,7 @@ def _pow2_at_least(x: int) -> int:
 def default_blocks(is_causal: bool, window) -> tuple[int, int]:
     """`(query_block_size, key_block_size)` when the caller gives none.
 
-    2048 x 256 without a pattern, 512 x 256 when causal or windowed; for a narrow band,
+    2048 x 256 without a pattern, 512 x 512 when causal or windowed; for a narrow band,
     square blocks of about its span `w` (a window whose left + right, right counted as
     0 when causal, is under `NARROW_WINDOW` keys; between 128 and 512): a query block
     then visits about `2w` keys where it needs `w + q_block`. On a 2-core CPU (N=4,096,
@@ -43,10 +43,10 @@ def default_blocks(is_causal: bool, window) -> tuple[int, int]:
     """
     right = None if window is None else (0 if is_causal else window.right)  # causal: no key after the query
     if window is not None and window.left is not None and right is not None and window.left + right < NARROW_WINDOW:
-        side = min(PATTERN_QUERY_BLOCK_SIZE, max(NARROW_MIN_BLOCK, _pow2_at_least(window.left + right)))
+        side = min(PATTERN_BLOCK_SIZE, max(NARROW_MIN_BLOCK, _pow2_at_least(window.left + right)))
         return side, side
     if is_causal or window is not None:
-        return PATTERN_QUERY_BLOCK_SIZE, KEY_BLOCK_SIZE
+        return PATTERN_BLOCK_SIZE, PATTERN_BLOCK_SIZE
     return QUERY_BLOCK_SIZE, KEY_BLOCK_SIZE
 
 

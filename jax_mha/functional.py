@@ -502,7 +502,7 @@ def attention(
         causality or the window rule out), `"cudnn"` (jax.nn's fused GPU kernel;
         reverse-mode only), or `"auto"`/None (`resolve_implementation`).
       query_block_size, key_block_size: block sizes of the blockwise path; None
-        picks them (`jax_mha.blockwise.default_blocks`: 2048 x 256, 512 x 256 when
+        picks them (`jax_mha.blockwise.default_blocks`: 2048 x 256, 512 x 512 when
         causal or windowed, smaller for a narrow window).
 
     Returns:
