@@ -342,6 +342,8 @@ class TrainSteps:
     batch: dict
     rng: jax.Array
     torch_step: Callable[[], Any] | None  # one eager step on the same batch
+    vocab: int  # the task's vocabulary size
+    d_ff: int  # the feed-forward's hidden width
 
     def run_jax(self, calls: int) -> None:
         for _ in range(calls):
@@ -368,7 +370,7 @@ def train_steps(with_torch: bool) -> TrainSteps:
         tokens, targets, scored = (torch.from_numpy(np.array(batch[k])) for k in ("inputs", "targets", "scored"))
         torch_step = functools.partial(step, tokens.long(), targets.long(), scored)
     return TrainSteps(jit_train_step(model, optimizer), init_state(jax.random.PRNGKey(0), model, optimizer),
-                      batch, jax.random.PRNGKey(2), torch_step)
+                      batch, jax.random.PRNGKey(2), torch_step, task.vocab_size, model_cfg.d_ff)
 
 
 def time_train_steps(cfg: BenchConfig, with_torch: bool) -> dict[str, float]:
@@ -387,7 +389,7 @@ def time_train_steps(cfg: BenchConfig, with_torch: bool) -> dict[str, float]:
 
 OPTIMIZER_PART = "optimizer (clip + AdamW)"
 PROFILE_PARTS = ("embedding", "LayerNorm", "attention projections", "attention core", "feed-forward",
-                 "logits + loss", "optimizer (clip + AdamW)", "other")  # other: residual adds, copies, bias sums
+                 "logits + loss", OPTIMIZER_PART, "other")  # other: residual adds, copies, bias sums
 
 
 def _jax_part(op_name: str) -> str:
@@ -395,7 +397,7 @@ def _jax_part(op_name: str) -> str:
     import re
 
     if "Decoder" not in op_name:
-        return "logits + loss" if re.search(r"jvp\(|transpose\(", op_name) else "optimizer (clip + AdamW)"
+        return "logits + loss" if re.search(r"jvp\(|transpose\(", op_name) else OPTIMIZER_PART
     for pattern, part in ((r"/ffn/", "feed-forward"), (r"/attention/(query|key|value|out)/", "attention projections"),
                           (r"/attention/", "attention core"), (r"norm", "LayerNorm"), (r"embed|positions", "embedding"),
                           (r"/logits/", "logits + loss")):
@@ -430,9 +432,10 @@ def profile_jax_step(steps: TrainSteps, calls: int) -> dict[str, float]:
     return ms
 
 
-def _torch_part(op: str, shapes: str) -> str:
+def _torch_part(op: str, shapes: list, vocab: int, d_ff: int) -> str:
     """The part of the step a PyTorch op outside the optimizer belongs to, from its
-    name and, for matmuls, its inputs' shapes."""
+    name and, for matmuls, its input shapes (a list of shapes): the feed-forward's
+    have the hidden width, the logits' the vocabulary size."""
     op = op.lower()
     if "embedding" in op:
         return "embedding"
@@ -445,9 +448,10 @@ def _torch_part(op: str, shapes: str) -> str:
     if "softmax" in op or "nll" in op or "cross_entropy" in op:
         return "logits + loss"
     if op in ("aten::mm", "aten::addmm", "aten::bmm"):
-        if str(TRAIN_D_MODEL * 4) in shapes:
+        dims = {d for shape in shapes for d in shape}
+        if d_ff in dims:
             return "feed-forward"
-        return "logits + loss" if ", 14]" in shapes or "[14," in shapes else "attention projections"
+        return "logits + loss" if vocab in dims else "attention projections"
     return "other"
 
 
@@ -467,7 +471,7 @@ def profile_torch_step(steps: TrainSteps, calls: int) -> dict[str, float]:
         scope, in_optimizer = event.cpu_parent, event.name == OPTIMIZER_PART
         while scope is not None and not in_optimizer:
             in_optimizer, scope = scope.name == OPTIMIZER_PART, scope.cpu_parent
-        part = OPTIMIZER_PART if in_optimizer else _torch_part(event.name, str(event.input_shapes))
+        part = OPTIMIZER_PART if in_optimizer else _torch_part(event.name, event.input_shapes or [], steps.vocab, steps.d_ff)
         ms[part] += event.self_cpu_time_total / 1e3 / calls
     return ms
 

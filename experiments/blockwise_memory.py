@@ -2,10 +2,11 @@
 
 The "xla" path on its whole-scores route (the one it takes while the scores are small,
 held here at every N by `return_weights=True`) materialises the `(B, H, N, N)` logits
-and weights (and their gradients), so its memory grows as N^2; the blockwise path (online softmax with a
-recomputing custom VJP, `jax_mha.blockwise`) should grow as N. Each (N, implementation)
-runs `jit(grad(sum(attention(q, k, v))))` w.r.t. q, k, v once, in a fresh Python
-process, so its peak resident set size (ru_maxrss, from `os.wait4`) is its own.
+and weights (and their gradients), so its memory grows as N^2; the blockwise path
+(online softmax with a recomputing custom VJP, `jax_mha.blockwise`) should grow as N.
+Each (N, implementation) runs `jit(grad(sum(attention(q, k, v))))` w.r.t. q, k, v
+once, in a fresh Python process, so its peak resident set size (ru_maxrss, from
+`os.wait4`) is its own.
 
     python -m experiments.blockwise_memory            # N = 1024 ... 8192: ~1 min, ~11 GiB free memory
     python -m experiments.blockwise_memory --full     # adds N = 16384 and 32768: ~5 min, ~16 GiB free

@@ -1,7 +1,8 @@
 """The `"blockwise"` path: query and key blocks, memory linear in N and S.
 
-The tuned engine (`jax_mha._flash`) in blocks, so that no `N x S` array exists in the forward or the backward pass: peak memory is
-`O(B·H·(N + S)·D + B·H·q_block·k_block)` plus any `mask`/`bias` the caller holds.
+The tuned engine (`jax_mha._flash`) in blocks, so that no `N x S` array exists in the
+forward or the backward pass: peak memory is `O(B·H·(N + S)·D + B·H·q_block·k_block)`
+plus any `mask`/`bias` the caller holds.
 Key blocks that causality, a window, the lengths or an all-False mask block rule out
 are skipped, so causal attention does about half the work and a sliding window work
 proportional to N·window.

@@ -130,6 +130,7 @@ def test_xla_beyond_the_whole_scores_budget_runs_the_engine(rng, monkeypatch, na
 
     q, k, v, kw, allowed = make(rng, CASES[name])
     expected, _ = np_attention(q, k, v, mask=allowed, bias=kw.get("bias"))
+
     def run_and_grads():  # fresh functions: JAX caches traces by function
         f = lambda q, k, v: attention(q, k, v, implementation="xla", **kw)
         loss = lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))

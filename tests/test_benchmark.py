@@ -98,33 +98,27 @@ def test_profile_assigns_xla_ops_by_module_path(op_name, part):
 
 
 @pytest.mark.parametrize("op, shapes, part", [
-    ("aten::addmm", "[[1024], [2176, 256], [256, 1024]]", "feed-forward"),
-    ("aten::mm", "[[2176, 256], [256, 256]]", "attention projections"),
-    ("aten::addmm", "[[14], [2176, 256], [256, 14]]", "logits + loss"),
-    ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "[]", "attention core"),
-    ("aten::native_layer_norm_backward", "[]", "LayerNorm"),
-    ("aten::gelu_backward", "[]", "feed-forward"),
-    ("aten::add", "[]", "other"),
+    ("aten::addmm", [[1024], [2176, 256], [256, 1024]], "feed-forward"),
+    ("aten::mm", [[2176, 256], [256, 256]], "attention projections"),
+    ("aten::addmm", [[14], [2176, 256], [256, 14]], "logits + loss"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", [], "attention core"),
+    ("aten::native_layer_norm_backward", [], "LayerNorm"),
+    ("aten::gelu_backward", [], "feed-forward"),
+    ("aten::add", [], "other"),
 ])
 def test_profile_assigns_torch_ops_by_name_and_shape(op, shapes, part):
-    assert benchmark._torch_part(op, shapes) == part
+    assert benchmark._torch_part(op, shapes, vocab=14, d_ff=1024) == part
 
 
 def test_jax_step_profile_covers_the_step():
-    """A real trace of the copy-task step: time in every model part, and the parts
-    together about the step's time."""
-    import time
-
+    """A real trace of the copy-task step: time in every model part, and almost all
+    of it assigned to a named part."""
     steps = benchmark.train_steps(with_torch=False)
-    steps.run_jax(2)
-    t0 = time.perf_counter()
-    steps.run_jax(3)
-    step_ms = (time.perf_counter() - t0) / 3 * 1e3
     parts = benchmark.profile_jax_step(steps, calls=3)
     assert set(parts) == set(benchmark.PROFILE_PARTS)
-    for part in ("LayerNorm", "attention projections", "attention core", "feed-forward", "optimizer (clip + AdamW)"):
+    for part in ("LayerNorm", "attention projections", "attention core", "feed-forward", benchmark.OPTIMIZER_PART):
         assert parts[part] > 0, parts
-    assert 0.5 * step_ms < sum(parts.values()) < 2.0 * step_ms, (parts, step_ms)
+    assert parts["other"] < 0.1 * sum(parts.values()), parts
     table = "\n".join(benchmark._profile_table({"jax_mha (jit, optax)": parts}))
     assert "| attention core |" in table and "| sum of the parts |" in table
 
@@ -133,5 +127,5 @@ def test_torch_step_profile_covers_the_step():
     pytest.importorskip("torch", reason="the PyTorch rows need torch (pip install -e .[torch])")
     steps = benchmark.train_steps(with_torch=True)
     parts = benchmark.profile_torch_step(steps, calls=2)
-    for part in ("LayerNorm", "attention projections", "attention core", "feed-forward", "optimizer (clip + AdamW)"):
+    for part in ("LayerNorm", "attention projections", "attention core", "feed-forward", benchmark.OPTIMIZER_PART):
         assert parts[part] > 0, parts
