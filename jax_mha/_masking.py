@@ -68,6 +68,19 @@ class Visibility:
         return self.is_causal or self.window is not None
 
     @property
+    def every_row_sees_a_key(self) -> bool:
+        """True when, statically, no query row can be empty: only causality and the
+        window restrict (no mask, no lengths) and they leave every row a key. The
+        visible range `[lo, hi)` of row `i` moves right with `i` and keeps its
+        unclipped width, so rows 0 and N - 1 are the only ones that can lose it."""
+        if self.mask is not None or self.q_lengths is not None or self.kv_lengths is not None:
+            return False
+        if self.n == 0 or self.s == 0:
+            return False
+        ranges = (key_range(self, row, row, self.s) for row in (0, self.n - 1))
+        return all(lo < hi for lo, hi in ranges)
+
+    @property
     def restricts(self) -> bool:
         """False when every pair may attend (nothing to evaluate)."""
         return (

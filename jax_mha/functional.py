@@ -400,7 +400,7 @@ def _weights_path(q, k, v, bad_kv, desc, scale, dropout_rate, dropout_rng):
     )
     allowed = _masking.dense_allowed(vis, q.ndim)
     bias = None if desc["bias"] is None else jax.lax.broadcast_to_rank(desc["bias"], q.ndim)
-    weights, empty = reference_weights(q, k, allowed, bias, scale=scale)
+    weights, empty = reference_weights(q, k, allowed, bias, scale=scale, rows_see_keys=vis.every_row_sees_a_key)
     if dropout_rate > 0.0:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
         weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)

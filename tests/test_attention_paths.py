@@ -13,6 +13,7 @@ transformations. Axes have distinct prime sizes so a swapped axis cannot pass.
 from __future__ import annotations
 
 import functools
+import itertools
 import subprocess
 import sys
 import textwrap
@@ -532,6 +533,19 @@ def test_windows_and_causality_shrink_the_key_loop():
     assert band(is_causal=True) == 32  # the band is the longest row; later cond-skips halve the work
     assert band(is_causal=True, window=Window(256, 0)) == 2
     assert band(window=Window(128, 128)) == 2
+
+
+def test_static_empty_row_check_matches_the_pattern():
+    """`every_row_sees_a_key` (which lets the whole-scores path skip its empty-row
+    bookkeeping) against the NumPy pattern, row by row, over every small (N, S),
+    causality and window, aligned bottom-right so that N > S empties causal rows."""
+    windows = [None, (0, 0), (1, None), (None, 1), (2, 0), (0, 2), (3, 1), (None, None)]
+    for n, s, is_causal, window in itertools.product(range(1, 7), range(1, 7), (False, True), windows):
+        vis = Visibility(n, s, is_causal, None if window is None else Window(*window))
+        expected = bool(np_allowed((1, n, s), is_causal=is_causal, window=window).any(-1).all())
+        assert vis.every_row_sees_a_key == expected, (n, s, is_causal, window)
+    assert not Visibility(4, 4, mask=jnp.ones((4, 4), bool)).every_row_sees_a_key  # a mask is not static
+    assert not Visibility(4, 4, kv_lengths=jnp.array(4)).every_row_sees_a_key
 
 
 @pytest.mark.parametrize("name", ["everything_mha", "masked_blocks", "causal_lengths_bias_mask"])
