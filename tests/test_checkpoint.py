@@ -9,6 +9,7 @@ import dataclasses
 import os
 import re
 import signal
+import threading
 import time
 
 import chex
@@ -117,13 +118,19 @@ def test_ctrl_c_during_a_write_is_held_until_the_file_is_complete(tmp_path, monk
     real_replace = os.replace
 
     def interrupted_replace(src, dst):
-        os.kill(os.getpid(), signal.SIGINT)  # delivered while the write is in progress
+        # To the main thread itself: a process-wide kill may land on one of JAX's
+        # threads, which on a busy machine can run the handler after the write is over.
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
         time.sleep(0.01)
         real_replace(src, dst)
 
     monkeypatch.setattr(checkpoint.os, "replace", interrupted_replace)
-    with pytest.raises(KeyboardInterrupt):
-        write_atomic(path, "complete\n")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own Ctrl-C
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            write_atomic(path, "complete\n")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert path.read_text() == "complete\n"
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
 
