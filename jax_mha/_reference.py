@@ -40,12 +40,13 @@ def reference_weights(q, k, allowed=None, bias=None, *, scale: float, rows_see_k
     ok = allowed
     if bias is not None:  # a -inf bias masks a key, as PyTorch users write masks
         ok = logits != -jnp.inf if ok is None else ok & (logits != -jnp.inf)
-    if ok is None or (rows_see_keys and bias is None):
-        if ok is not None:
-            logits = jnp.where(ok, logits, -jnp.inf)
-        return jax.nn.softmax(logits, axis=-1), jnp.zeros(logits.shape[:-1], bool)
-    empty = ~jnp.any(ok, axis=-1, keepdims=True)
+    no_empty_rows = jnp.zeros(logits.shape[:-1], bool)
+    if ok is None:
+        return jax.nn.softmax(logits, axis=-1), no_empty_rows
     masked = jnp.where(ok, logits, -jnp.inf)  # select, so a NaN where masked stays out
+    if rows_see_keys and bias is None:  # a -inf bias could still empty a row
+        return jax.nn.softmax(masked, axis=-1), no_empty_rows
+    empty = ~jnp.any(ok, axis=-1, keepdims=True)
     weights = jnp.where(empty, 0.0, jax.nn.softmax(jnp.where(empty, 0.0, masked), axis=-1))
     empty = jnp.broadcast_to(empty[..., 0], logits.shape[:-1])
     return weights, empty
