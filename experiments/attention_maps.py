@@ -26,7 +26,7 @@ With `--task lm` (seed 000, exercise 2: attention on real sentences) it draws th
 character language models of `head_ablation --task lm`: one held-out sentence from the
 validation split, its characters on both axes, one figure per layer for each of the
 1-, 4- and 16-head models (`--heads` picks one), each head titled with its measured
-type (`jax_mha.head_types`). Writes h{H}_layer{l}.png and results.json to
+type (`jax_mha.lab.head_types`). Writes h{H}_layer{l}.png and results.json to
 results/attention_maps/lm-<preset>/.
 
     python -m experiments.attention_maps --task lm --preset quick
@@ -43,9 +43,9 @@ import numpy as np
 
 from experiments import common, plotting
 from experiments.common import Interrupted, save_figure, write_json
-from jax_mha import analysis, head_types
-from jax_mha.data import task_to_dict
-from jax_mha.models import Decoder
+from jax_mha.lab import analysis, head_types
+from jax_mha.lab.data import task_to_dict
+from jax_mha.lab.models import Decoder
 
 MODULE = "experiments.attention_maps"
 

@@ -25,7 +25,7 @@ averaging enough calls to last `min_sample_s`, and the median sample is reported
 Interleaving means background load hits every layer alike, so the ratios within a run
 stay meaningful on a shared machine even when absolute times drift. Every backward
 starts from the same fixed random output gradient (`cotangent`). The run calls
-`jax_mha.host_memory.reuse_freed_memory` first (as every experiment does), for the
+`jax_mha.lab.host_memory.reuse_freed_memory` first (as every experiment does), for the
 PyTorch rows too: they share the process.
 
 FLOPs counted (multiply-add = 2, `experiments.common.attention_flops`): projections
@@ -352,9 +352,9 @@ class TrainSteps:
 
 
 def train_steps(with_torch: bool) -> TrainSteps:
-    from jax_mha.data import CopyTaskConfig
-    from jax_mha.models import Decoder, ModelConfig
-    from jax_mha.train import TrainConfig, init_state, jit_train_step, make_optimizer
+    from jax_mha.lab.data import CopyTaskConfig
+    from jax_mha.lab.models import Decoder, ModelConfig
+    from jax_mha.lab.train import TrainConfig, init_state, jit_train_step, make_optimizer
 
     task = CopyTaskConfig(length=TRAIN_LENGTH)
     model_cfg = ModelConfig(d_model=TRAIN_D_MODEL, num_heads=TRAIN_HEADS, num_layers=TRAIN_LAYERS)
@@ -594,7 +594,7 @@ def time_decode(cfg: BenchConfig) -> list[dict]:
     """Greedy tokens/s of a decoder with `generate` (KV cache) and with the whole
     prefix re-run for every token, per total length L (a 1-token prompt, L - 1 new
     tokens). Both give the same tokens (tests/test_models.py)."""
-    from jax_mha.models import Decoder, ModelConfig, generate
+    from jax_mha.lab.models import Decoder, ModelConfig, generate
 
     rows = []
     for length in cfg.decode_lengths:

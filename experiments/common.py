@@ -23,17 +23,17 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from jax_mha.checkpoint import load_checkpoint, save_checkpoint, write_atomic
-from jax_mha.host_memory import reuse_freed_memory
-from jax_mha.data import CopyTaskConfig, Task, task_from_dict, task_to_dict
-from jax_mha.text import TextTaskConfig
-from jax_mha.models import ModelConfig
-from jax_mha.train import TrainConfig, train_seeds
+from jax_mha.lab.checkpoint import load_checkpoint, save_checkpoint, write_atomic
+from jax_mha.lab.host_memory import reuse_freed_memory
+from jax_mha.lab.data import CopyTaskConfig, Task, task_from_dict, task_to_dict
+from jax_mha.lab.text import TextTaskConfig
+from jax_mha.lab.models import ModelConfig
+from jax_mha.lab.train import TrainConfig, train_seeds
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 # Before any study computes: XLA:CPU's per-call temporaries otherwise page-fault in
-# anew on every call (jax_mha.host_memory; ~10% of a copy-task training step).
+# anew on every call (jax_mha.lab.host_memory; ~10% of a copy-task training step).
 HOST_MEMORY_REUSED = reuse_freed_memory()
 
 
@@ -474,7 +474,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=positive_int, help="its head count (default: the preset's analysed one, 8)")
     p.add_argument("--seed", type=nonnegative_int, help="its seed (default 0)")
     p.add_argument("--checkpoint", type=existing_file,
-                   help="analyse this checkpoint (jax_mha.checkpoint.save_checkpoint) instead of the preset's model")
+                   help="analyse this checkpoint (jax_mha.lab.checkpoint.save_checkpoint) instead of the preset's model")
     p.add_argument("--retrain", action="store_true", help="train the preset's model afresh instead of loading it")
     p.add_argument("--train-steps", type=positive_int,
                    help="step limit when the model has to be trained (a multiple of the preset's steps per call)")

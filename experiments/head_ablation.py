@@ -12,9 +12,9 @@ accuracy and per-head attention entropy.
     python -m experiments.head_ablation --task lm --text FILE     # your own UTF-8 corpus
 
 With --task lm (issue 10, "Heads on real text") the models are character language
-models of the Python Language Reference (`jax_mha.text`); there is no early stopping.
+models of the Python Language Reference (`jax_mha.lab.text`); there is no early stopping.
 After training, every model is measured on the whole validation split (bits per
-character) and its heads are typed (`jax_mha.head_types`): results.json,
+character) and its heads are typed (`jax_mha.lab.head_types`): results.json,
 summary.md (bpc and head-type counts per head count), head_types.md (every head),
 head_types/h{H}_seed{S}.png, bpc_curves.png, bpc_vs_heads.png, and sample lines of
 the best model (greedy and temperature 0.8, through the KV cache). Output goes to
@@ -41,12 +41,13 @@ import numpy as np
 
 from experiments import common, plotting
 from experiments.common import AblationConfig, Interrupted, save_figure, write_atomic, write_json
-from jax_mha import analysis, head_types, parallel
-from jax_mha.checkpoint import load_checkpoint, save_checkpoint, train_state_metadata
-from jax_mha.data import chance_accuracy, task_from_dict, task_to_dict
-from jax_mha.models import Decoder, generate
-from jax_mha.text import validation_batches
-from jax_mha.train import SeedsResult, train_seeds
+from jax_mha import parallel
+from jax_mha.lab import analysis, head_types
+from jax_mha.lab.checkpoint import load_checkpoint, save_checkpoint, train_state_metadata
+from jax_mha.lab.data import chance_accuracy, task_from_dict, task_to_dict
+from jax_mha.lab.models import Decoder, generate
+from jax_mha.lab.text import validation_batches
+from jax_mha.lab.train import SeedsResult, train_seeds
 
 MODULE = "experiments.head_ablation"
 RECORD_KEYS = {"heads", "head_dim", "steps_run", "wall_seconds", "tokens_per_second", "runs"}
@@ -424,7 +425,7 @@ def measure_lm_models(results: dict, cfg: AblationConfig, out: Path) -> None:
 
 def lm_samples(results: dict, cfg: AblationConfig, out: Path) -> dict:
     """Greedy and temperature continuations of validation sentences by the model of
-    lowest validation bpc, through the KV cache (`jax_mha.models.generate`)."""
+    lowest validation bpc, through the KV cache (`jax_mha.lab.models.generate`)."""
     best = min(((run["final_bpc"], h, run["seed"]) for h, r in results["heads"].items() for run in r["runs"]))
     params, config, _ = load_checkpoint(out / "checkpoints" / f"h{best[1]}_seed{best[2]}.msgpack")
     corpus, t = cfg.task.corpus, cfg.task.seq_len

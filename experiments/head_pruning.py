@@ -25,7 +25,7 @@ With `--task lm` it prunes a character language model of `head_ablation --task l
 (default: 8 heads, seed 0) until validation bits per character rise more than
 --max-drop (relative: 0.01 = 1 %) above the unpruned model's; the oracle then ranks
 heads by the loss increase when each is removed. It reports the surviving heads'
-types (`jax_mha.head_types`). Writes results.json and pruning_curves.png to
+types (`jax_mha.lab.head_types`). Writes results.json and pruning_curves.png to
 results/head_pruning/lm-<preset>/.
 
     python -m experiments.head_pruning --task lm --preset quick
@@ -43,9 +43,9 @@ import numpy as np
 
 from experiments import common, plotting
 from experiments.common import Interrupted, save_figure, write_json
-from jax_mha import analysis, head_types
-from jax_mha.data import EOS, chance_accuracy, task_to_dict
-from jax_mha.models import Decoder
+from jax_mha.lab import analysis, head_types
+from jax_mha.lab.data import EOS, chance_accuracy, task_to_dict
+from jax_mha.lab.models import Decoder
 
 MODULE = "experiments.head_pruning"
 ORDER_LABELS = {"importance": "by gradient importance I(l,h)", "oracle": "by oracle (accuracy drop)"}

@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from jax_mha.data import BOS, EOS, FIRST_SYMBOL, PAD, SEP
+from jax_mha.lab.data import BOS, EOS, FIRST_SYMBOL, PAD, SEP
 
 _SPECIAL = {PAD: "_", BOS: "<s>", SEP: "|", EOS: "</s>"}
 

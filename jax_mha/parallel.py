@@ -27,11 +27,12 @@ whose extra leading axes it leaves unsharded. Trees that do carry flax boxes are
 honoured too: a boxed leaf keeps its own logical names.
 
 This module only works out *where* arrays go: meshes, partition specs, shardings.
-The one `jax.jit` over them lives in the trainer (`jax_mha.train`), big_vision's
+The one `jax.jit` over them lives in the trainer (`jax_mha.lab.train`), big_vision's
 shape — `jit(step, out_shardings=..., donate_argnums=(0,))` — so imports point one
 way (`train` imports `parallel`, never the reverse)::
 
-    from jax_mha import parallel, train
+    from jax_mha import parallel
+    from jax_mha.lab import train
     mesh = parallel.make_mesh(**parallel.parse_mesh_spec("data=2,model=2"))
     state = parallel.shard(train.init_state(key, model, optimizer), mesh)
     step = train.jit_train_step(model, optimizer, mesh=mesh)

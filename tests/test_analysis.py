@@ -1,4 +1,4 @@
-"""Tests for `jax_mha.analysis`: head importance against a Python loop over examples,
+"""Tests for `jax_mha.lab.analysis`: head importance against a Python loop over examples,
 gates against zeroed output-kernel rows, the structure of iterative pruning.
 
 Sizes are distinct primes where they can be (3 heads, 2 layers, d_model 15 -> D = 5,
@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_mha import analysis
-from jax_mha.data import CopyTaskConfig, make_batch
-from jax_mha.models import CopyTransformer, ModelConfig
-from jax_mha.train import scored_loss
+from jax_mha.lab import analysis
+from jax_mha.lab.data import CopyTaskConfig, make_batch
+from jax_mha.lab.models import CopyTransformer, ModelConfig
+from jax_mha.lab.train import scored_loss
 
 TASK = CopyTaskConfig(length=5, num_symbols=7)  # T = 12, vocab 11
 LAYERS, HEADS, D_MODEL = 2, 3, 15

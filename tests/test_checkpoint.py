@@ -1,4 +1,4 @@
-"""Tests for `jax_mha.checkpoint`: exact round trips (models and training states), a
+"""Tests for `jax_mha.lab.checkpoint`: exact round trips (models and training states), a
 `ValueError` naming the file for every way a checkpoint can be unusable (including a
 single flipped byte), and atomic writes that survive Ctrl-C and leave no temporary
 files."""
@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from flax import serialization
 
-from jax_mha import checkpoint
-from jax_mha.checkpoint import FORMAT, load_checkpoint, load_train_state, save_checkpoint, save_train_state, write_atomic
-from jax_mha.data import CopyTaskConfig
-from jax_mha.models import CopyTransformer, ModelConfig
+from jax_mha.lab import checkpoint
+from jax_mha.lab.checkpoint import FORMAT, load_checkpoint, load_train_state, save_checkpoint, save_train_state, write_atomic
+from jax_mha.lab.data import CopyTaskConfig
+from jax_mha.lab.models import CopyTransformer, ModelConfig
 
 TASK = CopyTaskConfig(length=5, num_symbols=7)
 CONFIG = ModelConfig(vocab_size=TASK.vocab_size, max_len=TASK.seq_len, d_model=15, num_heads=3, num_layers=2, d_ff=22)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_mha.data import BOS, EOS, FIRST_SYMBOL, PAD, SEP, CopyTaskConfig, chance_accuracy, make_batch
+from jax_mha.lab.data import BOS, EOS, FIRST_SYMBOL, PAD, SEP, CopyTaskConfig, chance_accuracy, make_batch
 
 
 def _tokens(batch):
@@ -75,7 +75,7 @@ def test_config_errors_and_chance():
 
 
 def test_task_interface_and_round_trip():
-    from jax_mha.data import TASKS, task_from_dict, task_to_dict
+    from jax_mha.lab.data import TASKS, task_from_dict, task_to_dict
 
     cfg = CopyTaskConfig(length=5, min_length=2, num_symbols=7, reverse=True)
     chex.assert_trees_all_equal(cfg.batch(jax.random.PRNGKey(4), 3), make_batch(jax.random.PRNGKey(4), cfg, 3))

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import pytest
 
 from experiments import attention_maps, common, head_pruning, head_timing, param_count
-from jax_mha.checkpoint import load_checkpoint, save_checkpoint
-from jax_mha.data import task_to_dict
-from jax_mha.models import CopyTransformer
+from jax_mha.lab.checkpoint import load_checkpoint, save_checkpoint
+from jax_mha.lab.data import task_to_dict
+from jax_mha.lab.models import CopyTransformer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -19,7 +19,7 @@ import pytest
 from conftest import run_in
 
 from experiments import attention_maps, head_pruning
-from jax_mha.head_types import HEAD_TYPES
+from jax_mha.lab.head_types import HEAD_TYPES
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")

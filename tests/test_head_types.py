@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_mha.head_types import (
+from jax_mha.lab.head_types import (
     DIFFUSE_THRESHOLD,
     HEAD_TYPES,
     INDUCTION_THRESHOLD,

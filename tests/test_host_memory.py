@@ -19,10 +19,10 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the s
 # another order and grow the heap once (a call of ~28,000 faults was seen).
 FAULTS = textwrap.dedent("""
     import resource, sys
-    from jax_mha.host_memory import reuse_freed_memory
+    from jax_mha.lab.host_memory import reuse_freed_memory
     applied = reuse_freed_memory() if sys.argv[1] == "reuse" else None
     import jax, jax.numpy as jnp
-    from jax_mha.models import Decoder, ModelConfig
+    from jax_mha.lab.models import Decoder, ModelConfig
     model = Decoder(ModelConfig(vocab_size=14, d_model=256, num_heads=8, num_layers=2))
     tokens = jnp.zeros((64, 34), jnp.int32)
     params = model.init(jax.random.PRNGKey(0), tokens)
@@ -55,7 +55,7 @@ def test_reuse_stops_the_page_faults_of_every_call():
 def test_after_jax_started_it_warns_and_changes_nothing():
     code = textwrap.dedent("""
         import warnings, jax, jax.numpy as jnp
-        from jax_mha.host_memory import reuse_freed_memory
+        from jax_mha.lab.host_memory import reuse_freed_memory
         jax.block_until_ready(jnp.ones(2) + 1)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -1,4 +1,4 @@
-"""Tests for `jax_mha.models`: the decoder's parameter layout, token checks, and greedy
+"""Tests for `jax_mha.lab.models`: the decoder's parameter layout, token checks, and greedy
 generation against a step-by-step reference."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_mha.models import Decoder, ModelConfig, greedy_generate
+from jax_mha.lab.models import Decoder, ModelConfig, greedy_generate
 
 CONFIG = ModelConfig(vocab_size=11, max_len=13, d_model=15, num_heads=3, num_layers=2, d_ff=22)
 
@@ -66,7 +66,7 @@ def test_greedy_generate_checks_its_inputs(params):
 
 
 def test_generate_through_the_cache_equals_greedy_without_it(params):
-    from jax_mha.models import generate
+    from jax_mha.lab.models import generate
 
     model = Decoder(CONFIG)
     prompt = jnp.array([[1, 2, 3], [4, 5, 6]])
@@ -74,7 +74,7 @@ def test_generate_through_the_cache_equals_greedy_without_it(params):
 
 
 def test_generate_samples_with_temperature(params):
-    from jax_mha.models import generate
+    from jax_mha.lab.models import generate
 
     model, prompt = Decoder(CONFIG), jnp.array([[1, 2, 3], [4, 5, 6]])  # the shapes above: one compilation
     a = generate(params, model, prompt, 9, temperature=1.5, key=jax.random.key(0))

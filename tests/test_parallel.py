@@ -56,8 +56,8 @@ def test_make_mesh_single_device_and_errors():
 
 def _copy_model_state():
     """Abstract (shape-only) TrainState of a small copy-task model."""
-    from jax_mha.models import CopyTransformer, ModelConfig
-    from jax_mha.train import TrainConfig, init_state, make_optimizer
+    from jax_mha.lab.models import CopyTransformer, ModelConfig
+    from jax_mha.lab.train import TrainConfig, init_state, make_optimizer
 
     model = CopyTransformer(ModelConfig(d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF, num_layers=1, max_len=16))
     opt = make_optimizer(TrainConfig(num_steps=10, steps_per_call=10, eval_every=10))
@@ -188,9 +188,9 @@ def _worker() -> dict:
     import re
 
     from jax_mha import parallel
-    from jax_mha.data import CopyTaskConfig, make_batch
-    from jax_mha.models import CopyTransformer, ModelConfig
-    from jax_mha.train import TrainConfig, init_state, jit_train_chunk, jit_train_step, make_optimizer, scored_loss
+    from jax_mha.lab.data import CopyTaskConfig, make_batch
+    from jax_mha.lab.models import CopyTransformer, ModelConfig
+    from jax_mha.lab.train import TrainConfig, init_state, jit_train_chunk, jit_train_step, make_optimizer, scored_loss
 
     out: dict = {"num_devices": jax.device_count()}
     mesh = parallel.make_mesh(**parallel.parse_mesh_spec("data=2,model=2"))

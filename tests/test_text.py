@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from pydoc_data.topics import topics
 
-from jax_mha.text import (
+from jax_mha.lab.text import (
     TextTaskConfig,
     bits_per_character,
     corpus_from_file,
@@ -206,7 +206,7 @@ def lm_task(tmp_path_factory):
 
 
 def test_lm_task_is_a_registered_task_and_round_trips(lm_task):
-    from jax_mha.data import TASKS, task_from_dict, task_to_dict
+    from jax_mha.lab.data import TASKS, task_from_dict, task_to_dict
 
     assert TASKS["lm"] is TextTaskConfig and lm_task.stop_metric is None  # never stops early
     data = task_to_dict(lm_task)

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_mha.checkpoint import save_train_state
-from jax_mha.data import CopyTaskConfig, Decoding, chance_accuracy, greedy_decode, make_batch
-from jax_mha.models import CopyTransformer, ModelConfig, decode_step, empty_cache
-from jax_mha.train import (
+from jax_mha.lab.checkpoint import save_train_state
+from jax_mha.lab.data import CopyTaskConfig, Decoding, chance_accuracy, greedy_decode, make_batch
+from jax_mha.lab.models import CopyTransformer, ModelConfig, decode_step, empty_cache
+from jax_mha.lab.train import (
     TrainConfig,
     evaluate,
     init_state,
@@ -55,7 +55,7 @@ def test_train_step_donates_state_and_does_not_retrace():
     optimizer = make_optimizer(TRAIN)
     batch = make_batch(jax.random.PRNGKey(1), TASK, 8)
     state = init_state(jax.random.PRNGKey(0), model, optimizer)
-    from jax_mha.train import make_train_step
+    from jax_mha.lab.train import make_train_step
 
     step = jax.jit(chex.assert_max_traces(make_train_step(model, optimizer), n=1), donate_argnums=(0,))
     old = state

@@ -7,7 +7,7 @@ split once into a data key and a dropout key, and step `t` uses `fold_in(key, t)
 each (big_vision's convention), so a run resumed from a saved state at step `t`
 continues exactly as if it had never stopped.
 
-The task (`jax_mha.data.Task`) supplies the batches, its held-out metrics and the
+The task (`jax_mha.lab.data.Task`) supplies the batches, its held-out metrics and the
 metric early stopping watches; the loss is the cross-entropy over the positions the
 batch marks as `scored`. This module also does the one `jax.jit` over a device mesh:
 `jax_mha.parallel` only says where each array goes.
@@ -28,10 +28,10 @@ import optax
 from flax import struct
 
 from jax_mha import parallel
-from jax_mha.checkpoint import load_train_state, save_train_state
-from jax_mha.data import Batch, Decoding, Task, task_to_dict
+from jax_mha.lab.checkpoint import load_train_state, save_train_state
+from jax_mha.lab.data import Batch, Decoding, Task, task_to_dict
 from jax_mha.functional import attention_entropy
-from jax_mha.models import Decoder, ModelConfig, decode_step, empty_cache
+from jax_mha.lab.models import Decoder, ModelConfig, decode_step, empty_cache
 
 _POSITIVE_INTS = ("batch_size", "num_steps", "steps_per_call", "eval_every", "eval_size", "early_stop_evals")
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import serialization
 
-from jax_mha.models import Decoder, ModelConfig
+from jax_mha.lab.models import Decoder, ModelConfig
 
 FORMAT = "jax_mha-checkpoint-v2"
 STALE_TMP_SECONDS = 60.0  # a temporary file this old belongs to a writer that was killed

@@ -25,7 +25,7 @@ validation split, never its text, and every validation character has an id. File
 read as UTF-8 (a byte-order mark is dropped, line endings become `\\n`), so any text
 file works; a file that is not UTF-8 is an error naming the file and the byte.
 
-Batches have the copy task's layout (`jax_mha.data.make_batch`): int32 `inputs (B, T)`,
+Batches have the copy task's layout (`jax_mha.lab.data.make_batch`): int32 `inputs (B, T)`,
 int32 `targets (B, T)` = the next characters, bool `scored (B, T)`, so the same trainer
 and `scored_loss` consume them.
 """
@@ -51,7 +51,7 @@ REFERENCE_SOURCE = "pydoc_data.topics"  # TextCorpus.source prefix of the defaul
 class TextTaskConfig:
     """Which text and how long a window; hashable, so it can be a static jit argument.
 
-    Also the character language-model task the trainer consumes (`jax_mha.data.Task`,
+    Also the character language-model task the trainer consumes (`jax_mha.lab.data.Task`,
     registered as "lm"): `batch` samples training windows, `eval_batch` takes evenly
     spaced validation windows and `eval_metrics` reports validation bits per character
     (`bpc`). Its corpus is loaded once per config and cached (`corpus`), never per step.
@@ -211,7 +211,7 @@ def reference_corpus(config: TextTaskConfig = TextTaskConfig()) -> TextCorpus:
     """
     import sys
 
-    from pydoc_data.topics import topics  # ships with CPython; imported here so `import jax_mha.text` stays cheap
+    from pydoc_data.topics import topics  # ships with CPython; imported here so `import jax_mha.lab.text` stays cheap
 
     train_names, held = split_topics(topics, config.validation_fraction)
     join = lambda names: "\n".join(topics[n] for n in names)

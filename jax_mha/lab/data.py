@@ -14,7 +14,7 @@ A task is a small frozen config with three duties (the `Task` protocol):
 Every task shares that batch layout, so one trainer, one loss (`train.scored_loss`)
 and one analysis serve them all; a new task (e.g. a character language model) is a
 new config class registered in `TASKS`. Registered: "copy" (below) and "lm", the
-character language model of `jax_mha.text.TextTaskConfig` (no early stopping: its
+character language model of `jax_mha.lab.text.TextTaskConfig` (no early stopping: its
 `stop_metric` is None; its held-out metric is validation bits per character, `bpc`).
 
 The delayed copy task (Katharopoulos et al. 2020; Jelassi et al. 2024): a sequence
@@ -33,7 +33,7 @@ from typing import Any, Callable, ClassVar, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-from jax_mha.text import TextTaskConfig
+from jax_mha.lab.text import TextTaskConfig
 
 PAD, BOS, SEP, EOS = 0, 1, 2, 3
 FIRST_SYMBOL = 4  # content symbols are FIRST_SYMBOL … FIRST_SYMBOL + num_symbols - 1

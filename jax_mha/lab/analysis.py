@@ -1,5 +1,5 @@
 """Which heads matter: importance, single-head ablation, iterative pruning, attention
-statistics — for the decoder of any task (`jax_mha.models.Decoder`).
+statistics — for the decoder of any task (`jax_mha.lab.models.Decoder`).
 
 Every head of every layer has a gate ξ(l, h) (`head_mask`, shape `(num_layers, H)`,
 all ones by default) multiplying its output before the heads are combined. Setting a
@@ -14,7 +14,7 @@ Compiled functions here take the model as a static argument and params, batch an
 gates as traced ones, so repeated calls with the same shapes (every step of
 `prune_heads_iteratively`) reuse one compilation.
 
-Batches are the dicts every task's `batch` returns (`jax_mha.data.Task`): int
+Batches are the dicts every task's `batch` returns (`jax_mha.lab.data.Task`): int
 `inputs (B, T)`, int `targets (B, T)`, bool `scored (B, T)`; losses and accuracies are
 taken over the scored positions (`train.scored_loss`), so the same functions serve the
 copy task and a language model.
@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mha import head_types
-from jax_mha.models import Decoder
-from jax_mha.text import bits_per_character
-from jax_mha.train import scored_loss
+from jax_mha.lab import head_types
+from jax_mha.lab.models import Decoder
+from jax_mha.lab.text import bits_per_character
+from jax_mha.lab.train import scored_loss
 
 ORDERS = ("importance", "oracle")
 
@@ -82,7 +82,7 @@ def gate_metrics(
 
     Args:
       params: the model's parameters.
-      model: the decoder (`jax_mha.models.Decoder`).
+      model: the decoder (`jax_mha.lab.models.Decoder`).
       batch: `inputs`, `targets`, `scored`, each `(B, T)`.
       gate_stack: float `(G, num_layers, H)`.
       chunk_size: if set, vmap over chunks of this many configurations (a
@@ -142,7 +142,7 @@ def ablate_each_head(
 
     Args:
       params: the model's parameters.
-      model: the decoder (`jax_mha.models.Decoder`).
+      model: the decoder (`jax_mha.lab.models.Decoder`).
       batch: `inputs`, `targets`, `scored`, each `(B, T)`.
       gates: `(num_layers, H)`, the model to start from (default: all heads on).
       chunk_size: see `gate_metrics`.
@@ -202,7 +202,7 @@ def head_importance(
 
     Args:
       params: the model's parameters.
-      model: the decoder (`jax_mha.models.Decoder`).
+      model: the decoder (`jax_mha.lab.models.Decoder`).
       batch: `inputs`, `targets`, `scored`, each `(B, T)`; every example counts
         equally.
       gates: `(num_layers, H)` gates the gradient is taken at (default all ones: the
@@ -372,7 +372,7 @@ def prune_heads_iteratively(
 
     Args:
       params: the model's parameters.
-      model: the decoder (`jax_mha.models.Decoder`).
+      model: the decoder (`jax_mha.lab.models.Decoder`).
       batch: the evaluation batch: every recorded accuracy is measured on it.
       order: "importance" or "oracle".
       max_drop: the stop rule's tolerance.
@@ -432,7 +432,7 @@ def attention_weights(params, model: Decoder, inputs: jax.Array, gates: jax.Arra
 
     Args:
       params: the model's parameters.
-      model: the decoder (`jax_mha.models.Decoder`).
+      model: the decoder (`jax_mha.lab.models.Decoder`).
       inputs: int `(B, T)`.
       gates: `(num_layers, H)` or None.
 
@@ -491,7 +491,7 @@ def _split_losses(params, model: Decoder, batches: dict, gates: jax.Array) -> ja
 
 
 def split_bpc(params, model: Decoder, batches: dict, *, gates: jax.Array | None = None) -> float:
-    """Bits per character over a whole split (`jax_mha.text.validation_batches`).
+    """Bits per character over a whole split (`jax_mha.lab.text.validation_batches`).
 
     Args:
       params: the model's parameters.
@@ -511,7 +511,7 @@ def model_head_scores(
     params, model: Decoder, text_inputs: jax.Array, *, key: jax.Array, num_sequences: int = 32, low: int = 0,
 ) -> head_types.HeadScores:
     """Every head's previous-token, first-token and entropy scores on real text and
-    its induction score on repeated random tokens (`jax_mha.head_types`).
+    its induction score on repeated random tokens (`jax_mha.lab.head_types`).
 
     Args:
       params: the model's parameters.

@@ -1,7 +1,7 @@
 """Head types, measured: previous-token, induction and first-token ("sink") heads.
 
 Every score is a pure function of causal self-attention weights
-`(num_layers, B, H, T, T)` (what `jax_mha.analysis.attention_weights` returns) and,
+`(num_layers, B, H, T, T)` (what `jax_mha.lab.analysis.attention_weights` returns) and,
 for induction, the tokens that produced them; no model is needed, so any model's
 weights plug in. Scores are means over query positions `t >= 1` (query 0 can only
 attend to itself, which would count for every pattern) and over the batch, giving one
