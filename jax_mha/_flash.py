@@ -44,6 +44,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
+from jax_mha._reference import compute_dtype
 from jax_mha._masking import Visibility, Window, block_allowed, key_block_band, key_range
 
 _SCORES = "bkqd,bkcd->bkqc"  # q kᵀ per block (also dq kᵀ, q dkᵀ)
@@ -476,7 +477,7 @@ def run_engine(q, k, v, *, bias, mask, q_lengths, kv_lengths, is_causal, window,
     (heads, n, d), (kv_heads, s, dv) = q.shape[-3:], v.shape[-3:]
     groups = heads // kv_heads
     n_pad, s_pad = -(-n // q_block) * q_block, -(-s // k_block) * k_block
-    dtype = jnp.promote_types(q.dtype, jnp.float32)
+    dtype = compute_dtype(q.dtype)
     band = key_block_band(Visibility(n, s, is_causal, window), n_pad, q_block, k_block, s_pad // k_block)
     plan = Plan(n, s, n_pad, s_pad, groups, q_block, k_block, band, is_causal, window,
                 float(scale), jnp.dtype(dtype).name, one_cpu_device() and d <= PER_HEAD_MAX_DIM)

@@ -64,6 +64,39 @@ def check_dropout_rate(rate, name: str = "dropout_rate"):
     return rate
 
 
+def check_size(name: str, value, *, optional: bool = False):
+    """`value`, validated as a positive int (None passes when `optional`).
+
+    Raises:
+      TypeError: naming the attribute, for a bool, float or other non-integer.
+      ValueError: naming the attribute, for zero or a negative size (a width of 0 would
+        reach the initialisers as a division by zero, a negative one XLA's shape check).
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a positive int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return int(value)
+
+
+def layer_norm(norm, x: jax.Array, dtype, param_dtype) -> jax.Array:
+    """`norm(x)` (a flax LayerNorm built with `dtype=None`) with its result in `dtype`.
+
+    flax's LayerNorm with a float16/bfloat16 `dtype` promotes against float32 inside
+    (`jnp.promote_types`), which `jax_numpy_dtype_promotion="strict"` refuses. It
+    computes in float32 either way, so widening `x` to the parameters' dtype first and
+    casting the result after gives the same values under every promotion mode.
+    (Half-precision *parameters* remain out of reach under strict promotion: flax
+    promotes them against float32 statistics itself.)
+    """
+    if jnp.finfo(x.dtype).bits < jnp.finfo(param_dtype).bits:  # never narrows
+        x = x.astype(param_dtype)
+    y = norm(x)
+    return y if dtype is None else y.astype(dtype)
+
+
 def check_widths(inputs, widths) -> None:
     """Each input's feature width against the width its projection was built for.
 
@@ -87,10 +120,12 @@ def head_sizes(num_heads: int, d_model: int, num_kv_heads: int | None) -> tuple[
     Raises:
       ValueError: naming the numbers, when they do not divide.
     """
-    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    if num_heads < 1 or d_model % num_heads:
+    check_size("num_heads", num_heads)
+    check_size("d_model", d_model)
+    num_kv_heads = num_heads if num_kv_heads is None else check_size("num_kv_heads", num_kv_heads)
+    if d_model % num_heads:
         raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
-    if num_kv_heads < 1 or num_heads % num_kv_heads:
+    if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
     return num_kv_heads, d_model // num_heads
 

@@ -13,6 +13,15 @@ import jax
 import jax.numpy as jnp
 
 
+def compute_dtype(dtype) -> jnp.dtype:
+    """float64 for float64, else float32: the dtype the logits and softmax run in.
+
+    Written out rather than `jnp.promote_types(dtype, float32)`, which raises under
+    `jax_numpy_dtype_promotion="strict"` for float16 and bfloat16 inputs.
+    """
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+
+
 def reference_weights(q, k, allowed=None, bias=None, *, scale: float, rows_see_keys: bool = False):
     """Softmax weights with the whole `(B…, H, N, S)` built.
 
@@ -31,7 +40,7 @@ def reference_weights(q, k, allowed=None, bias=None, *, scale: float, rows_see_k
       float64 inputs). `empty` marks rows with no key left (all masked, or every
       logit -inf); their weights are 0.
     """
-    dtype = jnp.promote_types(q.dtype, jnp.float32)
+    dtype = compute_dtype(q.dtype)
     k = jnp.repeat(k, q.shape[-3] // k.shape[-3], axis=-3)  # (B…, H, S, D)
     logits = jnp.einsum("...hnd,...hsd->...hns", q.astype(dtype), k.astype(dtype))
     logits = logits * jnp.asarray(scale, dtype)

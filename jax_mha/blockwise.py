@@ -51,11 +51,35 @@ def default_blocks(is_causal: bool, window) -> tuple[int, int]:
     return QUERY_BLOCK_SIZE, KEY_BLOCK_SIZE
 
 
-def blockwise_attention(q, k, v, *, query_block_size=None, key_block_size=None, **description):
+def run_blockwise(q, k, v, *, query_block_size=None, key_block_size=None, **description):
     """`run_engine` with blocks of at most `query_block_size x key_block_size`
-    (clamped to N and S; None: `default_blocks`); returns `(out, lse)`."""
+    (clamped to N and S; None: `default_blocks`); returns `(out, lse, touched)`.
+    Internal: `description` is the one `attention` builds."""
     n, s = q.shape[-2], k.shape[-2]
     q_default, k_default = default_blocks(description["is_causal"], description["window"])
     q_block = q_default if query_block_size is None else query_block_size
     k_block = k_default if key_block_size is None else key_block_size
     return run_engine(q, k, v, q_block=min(q_block, n), k_block=min(k_block, s), **description)
+
+
+def blockwise_attention(q, k, v, mask=None, bias=None, *, query_block_size=None, key_block_size=None, **kwargs):
+    """`jax_mha.attention(..., implementation="blockwise")`: the memory-efficient path.
+
+    Args:
+      q, k, v, mask, bias: as in `jax_mha.attention` (`q (B…, H, N, D)`,
+        `k, v (B…, K, S, D)`).
+      query_block_size, key_block_size: the largest blocks; None: `default_blocks`.
+      **kwargs: every other keyword of `jax_mha.attention`.
+
+    Returns:
+      `out (B…, H, N, D)`, as `attention` does.
+
+    Raises:
+      ValueError, TypeError: as `attention`, naming the bad argument.
+    """
+    from jax_mha.functional import attention  # functional imports this module
+
+    if "implementation" in kwargs:
+        raise TypeError("blockwise_attention always runs implementation='blockwise'; drop the implementation argument")
+    return attention(q, k, v, mask, bias, implementation="blockwise", query_block_size=query_block_size,
+                     key_block_size=key_block_size, **kwargs)

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 
 from jax_mha import _masking
 from jax_mha._cudnn import cudnn_attention, cudnn_problem
-from jax_mha._reference import mix, reference_weights
-from jax_mha.blockwise import blockwise_attention
+from jax_mha._reference import compute_dtype, mix, reference_weights
+from jax_mha.blockwise import run_blockwise
 
 IMPLEMENTATIONS = ("xla", "blockwise", "cudnn", "auto")
 EMPTY_ROWS = ("zero", "uniform")
@@ -72,6 +72,16 @@ def _index(name: str, value) -> int:
         raise TypeError(f"{name} must be an int, got {value!r}") from None
 
 
+def _check_array(name: str, x) -> None:
+    """A TypeError naming `name` unless `x` is an array (JAX, NumPy, or a tracer).
+
+    jax.numpy's own reductions refuse Python lists the same way: a nested list is
+    ambiguous (ragged, or of mixed types) and converting one silently hides a slip.
+    """
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+
+
 def split_heads(x: jax.Array, num_heads: int) -> jax.Array:
     """Splits the feature axis into heads.
 
@@ -83,8 +93,10 @@ def split_heads(x: jax.Array, num_heads: int) -> jax.Array:
       `(B…, H, N, D)`; head `h` is features `h*D:(h+1)*D` of `x`.
 
     Raises:
+      TypeError: if `x` is not an array or `num_heads` not an int.
       ValueError: if `x` has rank < 2 or its last dim is not divisible by `num_heads`.
     """
+    _check_array("split_heads x", x)
     num_heads = _index("num_heads", num_heads)
     if x.ndim < 2:
         raise ValueError(f"split_heads expects (B…, N, H*D), got rank {x.ndim} shape {x.shape}")
@@ -108,8 +120,10 @@ def combine_heads(x: jax.Array) -> jax.Array:
       `(B…, N, H*D)`.
 
     Raises:
+      TypeError: if `x` is not an array.
       ValueError: if `x` has rank < 3.
     """
+    _check_array("combine_heads x", x)
     if x.ndim < 3:
         raise ValueError(f"combine_heads expects (B…, H, N, D), got rank {x.ndim} shape {x.shape}")
     *lead, h, n, d = x.shape
@@ -169,8 +183,11 @@ def lengths_mask(kv_lengths: jax.Array, s: int) -> jax.Array:
 
     Raises:
       TypeError: if `kv_lengths` is not integer or `s` not an int.
+      ValueError: if `s` is negative.
     """
     s = _index("lengths_mask s", s)
+    if s < 0:
+        raise ValueError(f"lengths_mask s must be >= 0, got {s}")
     kv_lengths = _check_lengths("kv_lengths", kv_lengths, None)[..., None, None, None]  # (B…, 1, 1, 1)
     # Explicit ranks: the library runs under jax_numpy_rank_promotion="raise".
     return jax.lax.broadcast_to_rank(jnp.arange(s), kv_lengths.ndim) < kv_lengths
@@ -194,7 +211,7 @@ def attention_entropy(weights: jax.Array) -> jax.Array:
     weights = jnp.asarray(weights)
     if not jnp.issubdtype(weights.dtype, jnp.floating):
         raise DTypeError(f"attention_entropy expects floating weights, got dtype {weights.dtype}")
-    w = weights.astype(jnp.promote_types(weights.dtype, jnp.float32))
+    w = weights.astype(compute_dtype(weights.dtype))
     zero = w == 0
     # The inner where keeps log's gradient finite at w == 0; NaN is not 0, so it stays.
     w_log_w = jnp.where(zero, 0.0, w * jnp.log(jnp.where(zero, 1.0, w)))
@@ -233,7 +250,7 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, base: float = 10000.0) 
     if not base > 0:
         raise ValueError(f"base must be > 0, got {base}")
     half = x.shape[-1] // 2
-    dtype = jnp.promote_types(x.dtype, jnp.float32)
+    dtype = compute_dtype(x.dtype)
     freq = jnp.asarray(base, dtype) ** (-jnp.arange(half, dtype=dtype) * 2 / x.shape[-1])  # (D/2,)
     angle = positions.astype(dtype)[..., None] * jax.lax.broadcast_to_rank(freq, positions.ndim + 1)  # (B…, N, D/2)
     angle = jax.lax.broadcast_to_rank(angle[..., None, :, :], x.ndim)  # (B…, 1, N, D/2)
@@ -544,8 +561,8 @@ def _run_path(path, q, k, v, bad_kv, desc, scale, dropout_rate, dropout_rng, ret
     """`(out, weights or None, empty, touched)` from the chosen path."""
     batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3])
     n, s = q.shape[-2], k.shape[-2]
-    if n == 0 or s == 0:  # zeros under either empty-row policy
-        out = jnp.zeros(batch + q.shape[-3:-1] + v.shape[-1:], jnp.promote_types(q.dtype, jnp.float32))
+    if n == 0 or s == 0 or 0 in batch or q.shape[-3] == 0:  # nothing to attend: zeros under either policy
+        out = jnp.zeros(batch + q.shape[-3:-1] + v.shape[-1:], compute_dtype(q.dtype))
         weights = jnp.zeros(batch + q.shape[-3:-1] + (s,), out.dtype) if return_weights else None
         no_rows = jnp.zeros(out.shape[:-1], bool)
         return out, weights, no_rows, no_rows
@@ -562,7 +579,7 @@ def _run_path(path, q, k, v, bad_kv, desc, scale, dropout_rate, dropout_rng, ret
             raise ValueError(f"block sizes must be >= 1, got query_block_size={q_block}, key_block_size={k_block}")
     else:
         q_block = k_block = None
-    out, lse, touched = blockwise_attention(
+    out, lse, touched = run_blockwise(
         q, k, v, query_block_size=q_block, key_block_size=k_block, scale=scale, bad_kv=bad_kv, **desc
     )
     return out, None, lse == jnp.inf, touched

@@ -98,6 +98,9 @@ class MultiHeadAttention(nn.Module):
 
     def __post_init__(self):
         _layer.check_dropout_rate(self.dropout_rate)
+        _layer.check_size("num_heads", self.num_heads)
+        for name in ("d_model", "num_kv_heads", "out_features"):
+            _layer.check_size(name, getattr(self, name), optional=True)
         super().__post_init__()
 
     def _built_widths(self) -> dict:
@@ -120,7 +123,7 @@ class MultiHeadAttention(nn.Module):
         )
 
     def _layer_norm(self, name: str) -> nn.LayerNorm:
-        return nn.LayerNorm(use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+        return nn.LayerNorm(use_bias=False, param_dtype=self.param_dtype, name=name)  # dtype: `_layer.layer_norm`
 
     def _cache(self, k: jax.Array, v: jax.Array) -> _layer.Cache | None:
         """The cache to decode with, or None when not decoding or while `init`
@@ -209,7 +212,8 @@ class MultiHeadAttention(nn.Module):
         k = split_heads(self._dense(kv_heads * head_dim, "key", self.qkv_bias)(key), kv_heads)  # (B…, K, S, D)
         v = split_heads(self._dense(kv_heads * head_dim, "value", self.qkv_bias)(value), kv_heads)  # (B…, K, S, D)
         if self.normalize_qk:
-            q, k = self._layer_norm("query_ln")(q), self._layer_norm("key_ln")(k)
+            q = _layer.layer_norm(self._layer_norm("query_ln"), q, self.dtype, self.param_dtype)
+            k = _layer.layer_norm(self._layer_norm("key_ln"), k, self.dtype, self.param_dtype)
         cache = self._cache(k, v)
         sow = sow_weights or self.sow_weights
         if self.dropout_rate > 0.0 and not deterministic and dropout_rng is None:
@@ -243,6 +247,7 @@ class FeedForward(nn.Module):
 
     def __post_init__(self):
         _layer.check_dropout_rate(self.dropout_rate)
+        _layer.check_size("d_ff", self.d_ff)
         super().__post_init__()
 
     @nn.compact
@@ -303,6 +308,9 @@ class TransformerBlock(nn.Module):
     def __post_init__(self):
         _layer.check_dropout_rate(self.dropout_rate)
         _layer.check_dropout_rate(self.attention_dropout_rate, "attention_dropout_rate")
+        _layer.check_size("num_heads", self.num_heads)
+        _layer.check_size("num_kv_heads", self.num_kv_heads, optional=True)
+        _layer.check_size("d_ff", self.d_ff)
         super().__post_init__()
 
     @nn.compact
@@ -345,8 +353,10 @@ class TransformerBlock(nn.Module):
             implementation=self.implementation, decode=self.decode, normalize_qk=self.normalize_qk,
             rope=self.rope, rope_base=self.rope_base, sow_weights=self.sow_weights, name="attention",
         )
-        norm1 = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name="norm1")
-        norm2 = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name="norm2")
+        ln1 = nn.LayerNorm(param_dtype=self.param_dtype, name="norm1")  # dtype: `_layer.layer_norm`
+        ln2 = nn.LayerNorm(param_dtype=self.param_dtype, name="norm2")
+        norm1 = lambda y: _layer.layer_norm(ln1, y, self.dtype, self.param_dtype)
+        norm2 = lambda y: _layer.layer_norm(ln2, y, self.dtype, self.param_dtype)
         ffn = FeedForward(self.d_ff, self.dropout_rate, self.dtype, self.param_dtype, self.precision, name="ffn")
         drop = lambda y: nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
 

@@ -89,6 +89,7 @@ class MultiHeadAttention(nnx.Module):
         self.num_heads = num_heads
         self.d_model = _first(d_model, in_features)
         self.num_kv_heads, self.head_dim = _layer.head_sizes(num_heads, self.d_model, num_kv_heads)
+        _layer.check_size("out_features", out_features, optional=True)
         self.dropout_rate, self.deterministic = dropout_rate, deterministic
         self.dtype, self.param_dtype, self.implementation = dtype, param_dtype, implementation
         self.decode, self.normalize_qk, self.sow_weights = decode, normalize_qk, sow_weights
@@ -107,8 +108,8 @@ class MultiHeadAttention(nnx.Module):
         self.value = linear(_first(in_v_features, in_kv_features), kv_features, qkv_bias)
         self.out = linear(self.d_model, _first(out_features, self.d_model), out_bias,
                           out_kernel_init or kernel_init, out_bias_init or bias_init)
-        layer_norm = lambda: nnx.LayerNorm(self.head_dim, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                                           rngs=rngs)
+        # dtype None: `_layer.layer_norm` casts the result (flax's half-precision dtype breaks strict promotion)
+        layer_norm = lambda: nnx.LayerNorm(self.head_dim, use_bias=False, param_dtype=param_dtype, rngs=rngs)
         self.query_ln = layer_norm() if normalize_qk else nnx.data(None)
         self.key_ln = layer_norm() if normalize_qk else nnx.data(None)
         if add_bias_kv:
@@ -184,7 +185,8 @@ class MultiHeadAttention(nnx.Module):
         k = split_heads(self.key(key), self.num_kv_heads)  # (B…, K, S, D)
         v = split_heads(self.value(value), self.num_kv_heads)  # (B…, K, S, D)
         if self.normalize_qk:
-            q, k = self.query_ln(q), self.key_ln(k)
+            q = _layer.layer_norm(self.query_ln, q, self.dtype, self.query_ln.param_dtype)
+            k = _layer.layer_norm(self.key_ln, k, self.dtype, self.key_ln.param_dtype)
         sow = sow_weights or self.sow_weights
         out, weights, cache = _layer.attend(
             q, k, v, mask=mask, bias=bias, is_causal=is_causal, local_window_size=local_window_size,
@@ -208,6 +210,8 @@ class FeedForward(nnx.Module):
     def __init__(self, d_model: int, d_ff: int, *, dropout_rate: float = 0.0, deterministic: bool = True,
                  dtype: Any = None, param_dtype: Any = jnp.float32, precision: Any = None, rngs: nnx.Rngs):
         _layer.check_dropout_rate(dropout_rate)
+        _layer.check_size("d_model", d_model)
+        _layer.check_size("d_ff", d_ff)
         linear = lambda d_in, d_out: nnx.Linear(d_in, d_out, dtype=dtype, param_dtype=param_dtype,
                                                 precision=precision, rngs=rngs)
         self.hidden, self.output = linear(d_model, d_ff), linear(d_ff, d_model)
@@ -244,6 +248,7 @@ class TransformerBlock(nnx.Module):
     ):
         _layer.check_dropout_rate(dropout_rate)
         _layer.check_dropout_rate(attention_dropout_rate, "attention_dropout_rate")
+        _layer.check_size("d_ff", d_ff)
         self.pre_norm = pre_norm
         self.attention = MultiHeadAttention(
             num_heads, d_model, num_kv_heads=num_kv_heads, dropout_rate=attention_dropout_rate,
@@ -251,8 +256,9 @@ class TransformerBlock(nnx.Module):
             implementation=implementation, decode=decode, normalize_qk=normalize_qk, rope=rope, rope_base=rope_base,
             sow_weights=sow_weights, rngs=rngs,
         )
-        norm = lambda: nnx.LayerNorm(d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        norm = lambda: nnx.LayerNorm(d_model, param_dtype=param_dtype, rngs=rngs)  # dtype: `_layer.layer_norm`
         self.norm1, self.norm2 = norm(), norm()
+        self.dtype = dtype
         self.ffn = FeedForward(d_model, d_ff, dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype,
                                param_dtype=param_dtype, precision=precision, rngs=rngs)
         self.dropout = nnx.Dropout(dropout_rate, deterministic=deterministic, rngs=rngs)
@@ -260,6 +266,9 @@ class TransformerBlock(nnx.Module):
     def init_cache(self, input_shape: tuple[int, ...], dtype: Any = None) -> None:
         """`init_cache` of the attention: `input_shape` `(B…, L, d_model)`."""
         self.attention.init_cache(input_shape, dtype)
+
+    def _norm(self, norm: nnx.LayerNorm, x: jax.Array) -> jax.Array:
+        return _layer.layer_norm(norm, x, self.dtype, norm.param_dtype)
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None, *, deterministic: bool | None = None,
                  return_weights: bool = False, **attention_args):
@@ -285,13 +294,13 @@ class TransformerBlock(nnx.Module):
             return result if return_weights else (result, None)
 
         if self.pre_norm:
-            a, weights = attend(self.norm1(x))
+            a, weights = attend(self._norm(self.norm1, x))
             x = x + drop(a)
-            x = x + drop(self.ffn(self.norm2(x), deterministic=deterministic))
+            x = x + drop(self.ffn(self._norm(self.norm2, x), deterministic=deterministic))
         else:
             a, weights = attend(x)
-            x = self.norm1(x + drop(a))
-            x = self.norm2(x + drop(self.ffn(x, deterministic=deterministic)))
+            x = self._norm(self.norm1, x + drop(a))
+            x = self._norm(self.norm2, x + drop(self.ffn(x, deterministic=deterministic)))
         return (x, weights) if return_weights else x
 
 
