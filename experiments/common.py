@@ -234,7 +234,7 @@ def lm_quick() -> AblationConfig:
     """A few minutes of training per head count on an idle 2-core CPU (all five counts,
     3 seeds each, vmapped): d_model=64, 2 layers (room for an induction circuit),
     64-character windows, 400 steps. Enough to separate the head counts by more than
-    their seed spread? The README reports what came out."""
+    their seed spread? docs/studies/heads_on_text.md reports what came out."""
     return _lm_preset(64, 64, TrainConfig(batch_size=32, num_steps=400, learning_rate=3e-3, warmup_steps=40,
                                           steps_per_call=50, eval_every=50, eval_size=64, early_stop=False),
                       heads=(1, 2, 4, 8, 16), num_seeds=3)
@@ -244,7 +244,7 @@ def lm_full() -> AblationConfig:
     """d_model=128, 2 layers, 128-character windows, 2000 steps of 32 windows, 3 seeds:
     8.2 M characters per seed (about 22 passes over the training split). Estimated at
     about 5 hours on a 2-core CPU (from the quick preset's throughput and 4x the
-    compute per character; not run for the README)."""
+    compute per character; not run for docs/studies/heads_on_text.md)."""
     return _lm_preset(128, 128, TrainConfig(batch_size=32, num_steps=2000, learning_rate=2e-3, warmup_steps=100,
                                             steps_per_call=50, eval_every=250, eval_size=128, early_stop=False),
                       heads=(1, 2, 4, 8, 16), num_seeds=3)
@@ -468,7 +468,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """The options choosing the analysed model (head_pruning, attention_maps)."""
     p.add_argument("--task", choices=TASK_CHOICES, default="copy", help="the task the model was trained on (default copy)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="full",
-                   help="analyse this head_ablation preset's model (default full, the README's; values below)")
+                   help="analyse this head_ablation preset's model (default full, the one docs/studies reports; values below)")
     p.add_argument("--text", type=Path, help="--task lm: a UTF-8 text file as corpus (default: the Python Language "
                    "Reference from pydoc_data)")
     p.add_argument("--heads", type=positive_int, help="its head count (default: the preset's analysed one, 8)")

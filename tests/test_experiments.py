@@ -148,13 +148,13 @@ def test_attention_maps_of_the_ablation_model(study):
         assert (study.cwd / "results" / "attention_maps" / "tiny" / name).read_bytes()[:8] == PNG_MAGIC
 
 
-def test_readme_load_and_decode_snippet(study):
-    """The README's snippet that loads an ablation checkpoint and decodes with it, on
-    this run's tiny checkpoint."""
-    text = (ROOT / "README.md").read_text()
+def test_docs_load_and_decode_snippet(study):
+    """The head-ablation page's snippet that loads an ablation checkpoint and decodes
+    with it, on this run's tiny checkpoint."""
+    text = (ROOT / "docs" / "studies" / "head_ablation.md").read_text(encoding="utf-8")
     block = re.search(r"```py\n(# Load a trained copy model.*?)```", text, re.S).group(1)
     block = block.replace("quick/checkpoints/h8_seed0", "tiny/checkpoints/h4_seed0")
-    run_in(study.cwd, lambda _: exec(compile(block, "README.md[load and decode]", "exec"), {}), None)
+    run_in(study.cwd, lambda _: exec(compile(block, "docs/studies/head_ablation.md[load and decode]", "exec"), {}), None)
 
 
 def test_mesh_option_gives_the_same_training(study, tmp_path):
