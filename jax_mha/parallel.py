@@ -55,6 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jax_mha._ring import ring_attention  # noqa: F401  (re-exported: jax_mha.parallel.ring_attention)
+
 MESH_AXES = ("data", "model")
 
 Rules = Sequence[tuple[str, Any]]
