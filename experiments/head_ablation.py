@@ -58,9 +58,13 @@ LM_RUN_KEYS = {"seed", "final_eval_bpc", "entropy_normalized", "curve", "eval_cu
 
 def _mesh_spec(text: str) -> dict[str, int]:
     try:
-        return parallel.parse_mesh_spec(text)
+        spec = parallel.parse_mesh_spec(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if spec.get("sequence", 1) > 1:  # the models do not call ring_attention yet
+        raise argparse.ArgumentTypeError(f"sequence={spec['sequence']}: the study's models are not split along the "
+                                         "sequence yet; use data= and model= (ring_attention works on its own)")
+    return spec
 
 
 def build_parser():

@@ -4,7 +4,9 @@ Each of the P devices holds N/P queries and N/P keys and values. The key/value b
 travel around the ring (`lax.ppermute`, one hop per step) while every device keeps its
 queries and folds each visiting block into an online softmax (running max, sum and
 weighted values, as in FlashAttention), so no device ever holds more than its own block
-and one visiting block: memory O(N/P · D), plus one `(chunk, N/P)` score block per head.
+and one visiting block: memory O(N/P · D), plus one `(chunk, chunk)` score tile per head
+(the block is itself walked in tiles, FlashAttention's loop; tiles with no visible pair
+are skipped).
 
 The derivative is written out (`jax.custom_vjp`) rather than left to autodiff, which
 would keep every visiting block for the backward pass (O(N · D) per device). The
@@ -37,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-QUERY_CHUNK = 512  # query rows per score block inside a ring step (memory: chunk x N/P per head)
+QUERY_CHUNK = 512  # rows and keys per score tile inside a ring step (memory: chunk² per head)
 
 
 class _Ring(NamedTuple):
@@ -89,6 +91,11 @@ def _chunks(ring: _Ring, x):
     return jnp.moveaxis(x.reshape(*lead, n // ring.chunk, ring.chunk, d), -3, 0)
 
 
+def _key_chunks(ring: _Ring, k, v, k_pos):
+    """The visiting block as `(k, v, positions)` chunks to scan over."""
+    return _chunks(ring, k), _chunks(ring, v), k_pos.reshape(-1, ring.chunk)
+
+
 def _unchunk(x):
     c, *lead, chunk, d = x.shape
     return jnp.moveaxis(x, 0, -3).reshape(*lead, c * chunk, d)
@@ -111,20 +118,31 @@ def _forward(ring: _Ring, q, k, v, kv_lengths):
     carry = (stats, jnp.zeros_like(stats), acc)  # running max, running sum, weighted values
 
     def attend(t, carry, k, v):
+        keys = _key_chunks(ring, k, v, _positions(ring, (device - t) % ring.size))
+
+        def one_query_chunk(args):
+            q_c, pos_c, *state = args
+
+            def one_key_chunk(state, key_chunk):
+                k_c, v_c, k_pos = key_chunk
+                ok = _visible(ring, pos_c, k_pos, kv_lengths)
+
+                def update(state):
+                    m_c, l_c, acc_c = state
+                    s = _scores(ring, q_c, k_c, ok)
+                    m_new = jnp.maximum(m_c, s.max(-1))
+                    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with nothing seen yet
+                    p = jnp.exp(s - m_safe[..., None])
+                    correction = jnp.exp(m_c - m_safe)
+                    pv = jnp.einsum("bkgns,bksd->bkgnd", p, v_c.astype(jnp.float32))
+                    return m_new, l_c * correction + p.sum(-1), acc_c * correction[..., None] + pv
+
+                return lax.cond(ok.any(), update, lambda state: state, tuple(state)), None  # skip empty tiles
+
+            return lax.scan(one_key_chunk, tuple(state), keys)[0]
+
         m, l, acc = carry
-        k_pos = _positions(ring, (device - t) % ring.size)
-
-        def one_chunk(args):
-            q_c, pos_c, m_c, l_c, acc_c = args
-            s = _scores(ring, q_c, k, _visible(ring, pos_c, k_pos, kv_lengths))
-            m_new = jnp.maximum(m_c, s.max(-1))
-            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with nothing seen yet
-            p = jnp.exp(s - m_safe[..., None])
-            correction = jnp.exp(m_c - m_safe)
-            pv = jnp.einsum("bkgns,bksd->bkgnd", p, v.astype(jnp.float32))
-            return m_new, l_c * correction + p.sum(-1), acc_c * correction[..., None] + pv
-
-        return lax.map(one_chunk, (q_chunks, pos_chunks, m, l, acc))
+        return lax.map(one_query_chunk, (q_chunks, pos_chunks, m, l, acc))
 
     def step(t, state):  # attend to the visiting block, then pass it on
         carry, kv = state
@@ -149,21 +167,34 @@ def _backward(ring: _Ring, q, k, v, kv_lengths, out, lse, d_out):
     dq = jnp.zeros(q_chunks.shape, jnp.float32)
 
     def attend(t, dq, k, v, dk, dv):
-        k_pos = _positions(ring, (device - t) % ring.size)
+        keys = _key_chunks(ring, k, v, _positions(ring, (device - t) % ring.size))
+        dk, dv = _chunks(ring, dk), _chunks(ring, dv)  # (Ck, B, K, chunk, D)
 
-        def one_chunk(carry, args):
-            dk, dv = carry
+        def one_query_chunk(key_grads, args):
             q_c, pos_c, do_c, delta_c, lse_c = args
-            s = _scores(ring, q_c, k, _visible(ring, pos_c, k_pos, kv_lengths))
-            p = jnp.exp(s - lse_c[..., None])  # (B, K, G, chunk, s)
-            dv = dv + jnp.einsum("bkgns,bkgnd->bksd", p, do_c)
-            dp = jnp.einsum("bkgnd,bksd->bkgns", do_c, f32(v))
-            ds = p * (dp - delta_c[..., None]) * ring.scale
-            dk = dk + jnp.einsum("bkgns,bkgnd->bksd", ds, f32(q_c))
-            return (dk, dv), jnp.einsum("bkgns,bksd->bkgnd", ds, f32(k))
 
-        (dk, dv), dq_step = lax.scan(one_chunk, (dk, dv), (q_chunks, pos_chunks, do_chunks, delta, lse_safe))
-        return dq + dq_step, dk, dv
+            def one_key_chunk(dq_c, key_chunk):
+                k_c, v_c, k_pos, dk_c, dv_c = key_chunk
+                ok = _visible(ring, pos_c, k_pos, kv_lengths)
+
+                def grads(carry):
+                    dq_c, dk_c, dv_c = carry
+                    s = _scores(ring, q_c, k_c, ok)
+                    p = jnp.exp(s - lse_c[..., None])  # (B, K, G, chunk, chunk)
+                    dv_c = dv_c + jnp.einsum("bkgns,bkgnd->bksd", p, do_c)
+                    dp = jnp.einsum("bkgnd,bksd->bkgns", do_c, f32(v_c))
+                    ds = p * (dp - delta_c[..., None]) * ring.scale
+                    dk_c = dk_c + jnp.einsum("bkgns,bkgnd->bksd", ds, f32(q_c))
+                    return dq_c + jnp.einsum("bkgns,bksd->bkgnd", ds, f32(k_c)), dk_c, dv_c
+
+                dq_c, dk_c, dv_c = lax.cond(ok.any(), grads, lambda c: c, (dq_c, dk_c, dv_c))
+                return dq_c, (dk_c, dv_c)
+
+            dq_c, key_grads = lax.scan(one_key_chunk, jnp.zeros(q_c.shape, jnp.float32), (*keys, *key_grads))
+            return key_grads, dq_c
+
+        (dk, dv), dq_step = lax.scan(one_query_chunk, (dk, dv), (q_chunks, pos_chunks, do_chunks, delta, lse_safe))
+        return dq + dq_step, _unchunk(dk), _unchunk(dv)
 
     def step(t, state):  # the block's gradients travel with it
         dq, (k, v, dk, dv) = state
@@ -261,8 +292,8 @@ def ring_attention(
       local_window_size: `(left, right)` keys each query sees around itself (jax.nn's
         meaning; a side None is unbounded; an int w means (w, w)).
       kv_lengths: int `(B,)`: keys at positions `>= kv_lengths[b]` are padding.
-      query_chunk_size: query rows per score block inside a ring step (bounds the
-        `(chunk, N/P)` scores a device holds at once).
+      query_chunk_size: query rows and keys per score tile inside a ring step (bounds
+        the `(chunk, chunk)` scores a device holds at once).
 
     Returns:
       `(B, H, N, D)` in q's dtype, sharded like q. A query that may see no key gets

@@ -57,7 +57,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_mha._ring import ring_attention  # noqa: F401  (re-exported: jax_mha.parallel.ring_attention)
 
-MESH_AXES = ("data", "model")
+MESH_AXES = ("data", "sequence", "model")
 
 Rules = Sequence[tuple[str, Any]]
 
@@ -96,14 +96,14 @@ PARAM_LOGICAL_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 
 
 def parse_mesh_spec(spec: str | None) -> dict[str, int]:
-    """Parses a command-line mesh such as `"data=2,model=2"`.
+    """Parses a command-line mesh such as `"data=2,model=2"` or `"data=1,sequence=4"`.
 
     Args:
-      spec: comma-separated `axis=size` for axes in `("data", "model")`; `""` or None
-        means all devices on "data".
+      spec: comma-separated `axis=size` for axes in `("data", "sequence", "model")`;
+        `""` or None means all devices on "data".
 
     Returns:
-      `{"data": …, "model": …}` with the axes given, ready for `make_mesh(**…)`.
+      `{axis: size}` with the axes given, ready for `make_mesh(**…)`.
 
     Raises:
       ValueError: on an unknown axis, a repeated axis, or a size that is not a positive int.
@@ -114,7 +114,7 @@ def parse_mesh_spec(spec: str | None) -> dict[str, int]:
             continue
         name, sep, value = part.partition("=")
         if not sep or name not in MESH_AXES:
-            raise ValueError(f"mesh spec entries must be 'data=N' or 'model=N', got {part!r} in {spec!r}")
+            raise ValueError(f"mesh spec entries must be 'data=N', 'sequence=N' or 'model=N', got {part!r} in {spec!r}")
         if name in out:
             raise ValueError(f"mesh axis {name!r} given twice in {spec!r}")
         if not value.isdigit() or int(value) < 1:
@@ -123,17 +123,27 @@ def parse_mesh_spec(spec: str | None) -> dict[str, int]:
     return out
 
 
-def make_mesh(data: int | None = None, model: int | None = None, *, devices: Sequence[Any] | None = None) -> Mesh:
-    """A `("data", "model")` mesh over the first `data * model` devices.
+def make_mesh(data: int | None = None, model: int | None = None, *, sequence: int = 1,
+              devices: Sequence[Any] | None = None) -> Mesh:
+    """A `("data", "sequence", "model")` mesh over the first `data * sequence * model` devices.
+
+    | axis | what it splits | used by |
+    | --- | --- | --- |
+    | `"data"` | the batch | `batch_sharding`, the trainer (gradients all-reduced by XLA) |
+    | `"sequence"` | the sequence (N) | `ring_attention(..., axis_name="sequence")` |
+    | `"model"` | the heads and the feed-forward width | `DEFAULT_RULES` (Megatron's layout) |
+
+    Built by `jax.make_mesh`, which orders the devices by the machine's topology.
 
     Args:
-      data: devices along the batch; default: all devices not used by `model`.
-      model: devices along the heads; default 1 (pure data parallelism).
+      data: devices along the batch; default: all devices not used by the others.
+      model: devices along the heads; default 1.
+      sequence: devices along the sequence; default 1.
       devices: default `jax.devices()`.
 
     Returns:
-      `jax.sharding.Mesh` of shape `(data, model)`, axis types Auto (XLA propagates
-      shardings from the parameters and inputs).
+      `jax.sharding.Mesh` of shape `(data, sequence, model)`, axis types Auto (XLA
+      propagates shardings from the parameters and inputs).
 
     Raises:
       ValueError: if a size is < 1, the devices do not divide evenly, or more
@@ -142,16 +152,18 @@ def make_mesh(data: int | None = None, model: int | None = None, *, devices: Seq
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
     model = 1 if model is None else model
-    if model < 1 or (data is not None and data < 1):
-        raise ValueError(f"mesh sizes must be >= 1, got data={data}, model={model}")
+    if model < 1 or sequence < 1 or (data is not None and data < 1):
+        raise ValueError(f"mesh sizes must be >= 1, got data={data}, sequence={sequence}, model={model}")
     if data is None:
-        if n % model:
-            raise ValueError(f"{n} devices cannot be split into model={model} groups")
-        data = n // model
-    if data * model > n:
-        raise ValueError(f"mesh data={data} x model={model} needs {data * model} devices, only {n} available")
-    grid = np.array(devices[: data * model], dtype=object).reshape(data, model)
-    return Mesh(grid, MESH_AXES)
+        if n % (model * sequence):
+            raise ValueError(f"{n} devices cannot be split into sequence={sequence} x model={model} groups")
+        data = n // (model * sequence)
+    total = data * sequence * model
+    if total > n:
+        raise ValueError(f"mesh data={data} x sequence={sequence} x model={model} needs {total} devices, "
+                         f"only {n} available")
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    return jax.make_mesh((data, sequence, model), MESH_AXES, axis_types=auto, devices=devices[:total])
 
 
 # ---------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ def test_parse_mesh_spec():
 
     assert parse_mesh_spec("data=2,model=2") == {"data": 2, "model": 2}
     assert parse_mesh_spec(" model=4 ") == {"model": 4}
+    assert parse_mesh_spec("data=1,sequence=4") == {"data": 1, "sequence": 4}
     assert parse_mesh_spec("") == {} and parse_mesh_spec(None) == {}
     for bad, match in (("heads=2", "data=N"), ("data=0", "positive"), ("data=x", "positive"),
                        ("data=2,data=2", "twice"), ("model", "data=N")):
@@ -47,11 +48,14 @@ def test_make_mesh_single_device_and_errors():
 
     one = jax.devices()[:1]
     mesh = make_mesh(devices=one)
-    assert dict(mesh.shape) == {"data": 1, "model": 1}
-    with pytest.raises(ValueError, match=r"data=1 x model=2 needs 2 devices, only 1"):
+    assert dict(mesh.shape) == {"data": 1, "sequence": 1, "model": 1}
+    with pytest.raises(ValueError, match=r"data=1 x sequence=1 x model=2 needs 2 devices, only 1"):
         make_mesh(data=1, model=2, devices=one)
-    with pytest.raises(ValueError, match=r"1 devices cannot be split into model=3"):
+    with pytest.raises(ValueError, match=r"1 devices cannot be split into sequence=1 x model=3"):
         make_mesh(model=3, devices=one)
+    with pytest.raises(ValueError, match=r"1 devices cannot be split into sequence=2 x model=1"):
+        make_mesh(sequence=2, devices=one)
+
 
 
 def _copy_model_state():
@@ -141,7 +145,7 @@ def multi_device():
 
 def test_mesh_uses_all_devices(multi_device):
     assert multi_device["num_devices"] == NUM_DEVICES
-    assert multi_device["mesh_shape"] == {"data": 2, "model": 2}
+    assert multi_device["mesh_shape"] == {"data": 2, "sequence": 1, "model": 2}
 
 
 def test_parameters_are_sharded_by_heads(multi_device):
