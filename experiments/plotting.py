@@ -427,8 +427,11 @@ def bpc_vs_heads(stats: Mapping[int, Sequence[float]], *, title: str):
     fig, ax = plt.subplots(figsize=(6.5, 4.4))
     for h, v in zip(heads, values):
         ax.scatter(np.full(v.shape, h), v, color="grey", s=14, zorder=3, label="single seed" if h == heads[0] else None)
-    ax.errorbar(heads, [v.mean() for v in values], yerr=[v.std() for v in values], marker="o", capsize=5,
-                color="C0", label="mean ± std over seeds", zorder=2)
+    from jax_mha.lab.stats import t_interval
+
+    half = [t_interval(v).half_width if v.size > 1 else 0.0 for v in values]
+    ax.errorbar(heads, [v.mean() for v in values], yerr=half, marker="o", capsize=5,
+                color="C0", label="mean, 95 % t interval over seeds", zorder=2)
     ax.set(xscale="log", xlabel="number of heads h (d_model fixed)", ylabel="validation bits per character (lower is better)",
            title=title)
     ax.set_xticks(heads, [str(h) for h in heads])
