@@ -386,3 +386,74 @@ def bits_per_character(loss_nats, num_scored=None):
             raise ValueError(f"num_scored={np.asarray(counts).tolist()} must sum to more than 0")
         loss = jnp.sum(loss * counts) / jnp.sum(counts)
     return loss / math.log(2.0)
+
+
+# ----------------------------------------------------------------- n-gram baselines
+
+
+def _context_keys(tokens: np.ndarray, end: np.ndarray, length: int, vocab_size: int) -> np.ndarray:
+    """int64 key of the `length` tokens before each index in `end` (base-`vocab_size` digits)."""
+    keys = np.zeros(end.shape, np.int64)
+    for j in range(length, 0, -1):
+        keys = keys * vocab_size + tokens[end - j]
+    return keys
+
+
+def ngram_bpc(train, validation, order: int, vocab_size: int) -> float:
+    """Bits per character of an interpolated n-gram model fitted on `train`, scored on `validation`.
+
+    Witten-Bell interpolation (Witten & Bell 1991; Chen & Goodman 1998, §2.5), which
+    has no parameters to tune on held-out text: with c(h, w) the count of character w
+    after context h (the n - 1 characters before it), c(h) = Σ_w c(h, w) and T(h) the
+    number of distinct characters seen after h,
+
+        p_n(w | h) = (c(h, w) + T(h) · p_{n-1}(w | h')) / (c(h) + T(h)),
+
+    h' being h without its oldest character, p_0 uniform over the vocabulary, and
+    p_n = p_{n-1} for a context never seen in training (or, at the first n - 1
+    validation characters, not yet available). Every character from the second on
+    is scored, as the models score it.
+
+    Args:
+      train, validation: int `(N,)` ids in `[0, vocab_size)`.
+      order: n >= 1 (1: unigram, 2: bigram, ...).
+      vocab_size: V.
+
+    Returns:
+      mean -log2 p_n over validation characters 1 … M - 1.
+
+    Raises:
+      ValueError: for order < 1, ids outside the vocabulary, or `vocab_size ** order`
+        too large for int64 keys.
+    """
+    train, validation = np.asarray(train, np.int64), np.asarray(validation, np.int64)
+    if isinstance(order, bool) or not isinstance(order, numbers.Integral) or order < 1:
+        raise ValueError(f"order must be an int >= 1, got {order!r}")
+    if order * math.log2(max(vocab_size, 2)) > 62:
+        raise ValueError(f"vocab_size={vocab_size} ** order={order} does not fit int64 keys")
+    for name, ids in (("train", train), ("validation", validation)):
+        if ids.ndim != 1 or ids.size < 2 or ids.min() < 0 or ids.max() >= vocab_size:
+            raise ValueError(f"{name} must be 1-D ids in [0, {vocab_size}) with at least 2 characters")
+    targets = np.arange(1, validation.size)  # validation positions scored
+    prob = np.full(targets.shape, 1.0 / vocab_size)  # p_0
+    for context in range(order):  # context length n - 1 = 0 … order - 1
+        ends = np.arange(context, train.size)
+        ctx = _context_keys(train, ends, context, vocab_size)
+        full, full_counts = np.unique(ctx * vocab_size + train[ends], return_counts=True)
+        seen, seen_counts = np.unique(ctx, return_counts=True)
+        distinct = np.unique(full // vocab_size, return_counts=True)[1]  # T(h), in the order of `seen`
+        have = targets >= context
+        v_ctx = _context_keys(validation, np.maximum(targets, context), context, vocab_size)
+        at = np.clip(np.searchsorted(seen, v_ctx), 0, seen.size - 1)
+        known = have & (seen[at] == v_ctx)
+        key = v_ctx * vocab_size + validation[targets]
+        at_full = np.clip(np.searchsorted(full, key), 0, full.size - 1)
+        c_hw = np.where(full[at_full] == key, full_counts[at_full], 0)
+        c_h, t_h = seen_counts[at], distinct[at]
+        prob = np.where(known, (c_hw + t_h * prob) / np.maximum(c_h + t_h, 1), prob)
+    return float(-np.mean(np.log2(prob)))
+
+
+def ngram_baselines(corpus: "TextCorpus", orders=(1, 2, 3, 4, 5)) -> dict[int, float]:
+    """`{n: ngram_bpc(corpus.train, corpus.validation, n)}`: the lines a model must pass."""
+    return {n: ngram_bpc(corpus.train, corpus.validation, n, corpus.vocab_size) for n in orders}
