@@ -160,12 +160,17 @@ class AblationConfig:
     train: TrainConfig
     seed: int = 0  # seeds are seed, seed + 1, …, seed + num_seeds - 1
     analysis_heads: int = 8
+    # (heads, peak lr) pairs overriding train.learning_rate for those head counts:
+    # head sizes from 4 to 64 need not share one rate (issue 22); empty: one rate for all.
+    learning_rates: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if self.num_seeds < 1 or not self.heads:
             raise ValueError(f"need num_seeds >= 1 and at least one head count, got {self.num_seeds}, {self.heads}")
         for h in (*self.heads, self.analysis_heads):
-            if h < 1 or self.model.d_model % h:
+            if h < 1:
+                raise ValueError(f"head counts must be >= 1, got {h}")
+            if self.model.head_dim is None and self.model.d_model % h:
                 raise ValueError(f"d_model={self.model.d_model} is not divisible by num_heads={h}")
         if self.model.vocab_size != self.task.vocab_size or self.model.max_len < self.task.seq_len:
             raise ValueError(f"model (vocab_size={self.model.vocab_size}, max_len={self.model.max_len}) does not fit "
@@ -178,11 +183,18 @@ class AblationConfig:
     def model_for(self, heads: int) -> ModelConfig:
         return dataclasses.replace(self.model, num_heads=heads)
 
+    def train_for(self, heads: int) -> TrainConfig:
+        """`train`, with this head count's learning rate if `learning_rates` names one."""
+        rate = dict(self.learning_rates).get(heads)
+        return self.train if rate is None else dataclasses.replace(self.train, learning_rate=rate)
+
     def fingerprint(self) -> dict:
         """Everything that makes two runs comparable; the head list is not part of it,
         so a sweep can be extended with more head counts into the same folder."""
         out = {"num_seeds": self.num_seeds, "seed": self.seed, "task": task_to_dict(self.task),
                "model": dataclasses.asdict(self.model), "train": dataclasses.asdict(self.train)}
+        if self.learning_rates:  # only when set, so results saved before the field existed still match
+            out["learning_rates"] = [list(pair) for pair in self.learning_rates]
         del out["model"]["num_heads"]
         return json.loads(json.dumps(out))  # tuples to lists, as read back from JSON
 

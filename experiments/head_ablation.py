@@ -77,6 +77,8 @@ def build_parser():
     p.add_argument("--steps", type=common.positive_int, help="maximum optimizer steps per head count (a multiple of --steps-per-call)")
     p.add_argument("--d-model", type=common.positive_int, help="model width, fixed across head counts (d_ff = 4 d_model)")
     p.add_argument("--layers", type=common.positive_int, help="number of Transformer blocks")
+    p.add_argument("--head-dim", type=common.positive_int,
+                   help="fix each head's size D: h heads project to h*D (default: heads share d_model, D = d_model/h)")
     p.add_argument("--length", type=common.positive_int,
                    help="L, symbols per copy: sequences have 2L+3 tokens, the model reads T = 2L+2")
     p.add_argument("--reverse", action="store_true", help="the reverse variant: the second half is reversed")
@@ -105,7 +107,7 @@ def build_config(args) -> AblationConfig:
     analysis = base.analysis_heads if base.analysis_heads in heads else max(heads)
     task = _task(base.task, args)
     model = dataclasses.replace(base.model, vocab_size=task.vocab_size, max_len=task.seq_len, num_heads=analysis,
-                                **_given(d_model=args.d_model, num_layers=args.layers))
+                                **_given(d_model=args.d_model, num_layers=args.layers, head_dim=args.head_dim))
     if args.d_model is not None:
         model = dataclasses.replace(model, d_ff=4 * args.d_model)
     train = base.train
@@ -115,8 +117,11 @@ def build_config(args) -> AblationConfig:
     if args.steps_per_call is not None and args.eval_every is None:
         overrides["eval_every"] = max(train.eval_every // args.steps_per_call, 1) * args.steps_per_call
     train = dataclasses.replace(train, **overrides)
+    # An explicit --lr is one rate for every head count; else the preset's per-h rates stand.
+    rates = () if args.lr is not None else base.learning_rates
     return AblationConfig(heads=heads, num_seeds=args.seeds or base.num_seeds, task=task, model=model, train=train,
-                          seed=base.seed if args.seed is None else args.seed, analysis_heads=analysis)
+                          seed=base.seed if args.seed is None else args.seed, analysis_heads=analysis,
+                          learning_rates=rates)
 
 
 def _task(base, args):
@@ -150,6 +155,8 @@ def parse(argv):
     mesh = common.build_or_exit(p, lambda: _make_mesh(args, cfg)) if args.mesh else None
     if args.out is None:
         args.out = common.default_out("head_ablation", args.preset, args.task, args.reverse)
+        if args.head_dim is not None:  # the head-size control: its own folder beside the fixed-width sweep
+            args.out = args.out.with_name(f"{args.out.name}-head-dim{args.head_dim}")
     return args, cfg, mesh
 
 
@@ -190,7 +197,7 @@ def summarize_heads(h: int, result: SeedsResult, cfg: AblationConfig) -> dict:
     } for i, seed in enumerate(result.seeds)]
     tokens_per_program_step = cfg.train.batch_size * cfg.task.seq_len * len(result.seeds)
     return {
-        "heads": h, "head_dim": cfg.model.d_model // h, "steps_run": result.steps_run,
+        "heads": h, "head_dim": cfg.model_for(h).size_per_head, "steps_run": result.steps_run,
         "stop_reason": result.stop_reason, "resumed_from": result.resumed_from,
         "wall_seconds": result.wall_seconds, "train_seconds": result.train_seconds,
         "tokens_per_second": result.tokens_per_second,
@@ -304,7 +311,8 @@ def train_head_count(h: int, cfg: AblationConfig, args, mesh, status: dict) -> d
     bar = common.TrainingBar(cfg.train.num_steps, f"h={h:>2}", args.no_progress)
     status.update(heads=h, state_file=state_file)
     try:
-        result = train_seeds(model, cfg.task, cfg.train, cfg.seeds, mesh=mesh, callback=bar, state_file=state_file)
+        result = train_seeds(model, cfg.task, cfg.train_for(h), cfg.seeds, mesh=mesh, callback=bar,
+                             state_file=state_file)
     except ValueError as e:  # a state file of another run, or damaged
         raise SystemExit(f"error: {e}; or rerun with --force") from None
     finally:
