@@ -135,3 +135,15 @@ def test_head_dim_flag_reaches_the_ablation_config():
     args, cfg, _ = head_ablation.parse(["--task", "lm", "--preset", "tiny", "--head-dim", "3", "--heads", "1", "3"])
     assert cfg.model.head_dim == 3 and cfg.model_for(3).attention_width == 9 and cfg.model_for(1).attention_width == 3
     assert args.out.name.endswith("-head-dim3")
+
+
+def test_logits_and_attention_weights_equals_return_weights(params):
+    from jax_mha.lab.models import logits_and_attention_weights
+
+    model = Decoder(CONFIG)
+    tokens = (jnp.arange(3 * 13).reshape(3, 13) * 7) % 11
+    logits, weights = logits_and_attention_weights(lambda t: model.apply({"params": params}, t), tokens)
+    ref_logits, ref_weights = model.apply({"params": params}, tokens, return_weights=True)
+    np.testing.assert_allclose(logits, ref_logits, rtol=1e-6)
+    np.testing.assert_allclose(weights, ref_weights, rtol=1e-6)
+    assert weights.shape == (2, 3, 3, 13, 13)

@@ -283,3 +283,26 @@ def test_ngram_unseen_context_falls_back_and_rejects_bad_input():
         ngram_bpc(train, validation, 0, 4)
     with pytest.raises(ValueError, match=r"ids in \[0, 3\)"):
         ngram_bpc(train, validation, 1, 3)
+
+
+def test_induction_tracking_at_every_evaluation():
+    import dataclasses
+
+    from jax_mha.lab.models import ModelConfig
+    from jax_mha.lab.train import TrainConfig, train_seeds
+
+    task = TextTaskConfig(seq_len=32, track_induction=True)
+    model = ModelConfig(vocab_size=task.vocab_size, max_len=32, d_model=8, num_heads=2, num_layers=2, d_ff=16)
+    train = TrainConfig(batch_size=4, num_steps=20, warmup_steps=2, steps_per_call=10, eval_every=10, eval_size=8,
+                        early_stop=False)
+    ev = train_seeds(model, task, train, [0, 1]).evals
+    assert ev["prefix_matching_frequent"].shape == (2, 2, 2, 2)  # (seeds, evaluations, layers, heads)
+    assert ev["prefix_matching_spans"].shape == (2, 2, 2, 2)
+    for name in ("icl_score", "copying_frequent", "copying_spans", "second_copy_loss_spans"):
+        assert ev[name].shape == (2, 2) and np.all(np.isfinite(ev[name]))
+    # An untrained model attends almost uniformly: its prefix matching sits near chance.
+    chance = float(ev["prefix_matching_chance"][0, 0])
+    assert np.all(np.abs(ev["prefix_matching_spans"] - chance) < 0.5 * chance + 0.05)
+    plain = dataclasses.replace(task, track_induction=False)
+    assert "icl_score" not in plain.eval_metrics(None, jnp.zeros((1, 32, task.vocab_size)),
+                                                 plain.eval_batch(None, 1))

@@ -222,8 +222,60 @@ def make_recall_batch(key: jax.Array, config: RecallTaskConfig, batch_size: int)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "scored": scored}
 
 
+@dataclasses.dataclass(frozen=True)
+class RepeatTaskConfig:
+    """Repeated random sequences of varying length: the induction heads' positive control.
+
+    A row is R distinct random symbols, the same R again, then fresh random symbols up
+    to the window, with R drawn per row from [min_repeat, max_repeat]. The loss is
+    scored on the second copy (from its second token on). Because R varies, no fixed
+    offset finds the answer: the model has to look up where the current token occurred
+    before and read what came next, which is what an induction head does (Olsson et al.
+    2022). A model trained on it must score high on the prefix-matching probe; if it
+    does not, the probe is broken.
+    """
+
+    name: ClassVar[str] = "repeat"
+    stop_metric: ClassVar[str | None] = None
+
+    seq_len: int = 32  # T, tokens the model reads
+    min_repeat: int = 4
+    max_repeat: int = 16  # at most T // 2
+    num_symbols: int = 24  # at least max_repeat (distinct symbols per copy)
+
+    def __post_init__(self):
+        if not 2 <= self.min_repeat <= self.max_repeat <= min(self.seq_len // 2, self.num_symbols):
+            raise ValueError(f"need 2 <= min_repeat <= max_repeat <= min(seq_len // 2, num_symbols), got "
+                             f"{self.min_repeat}, {self.max_repeat}, seq_len={self.seq_len}, num_symbols={self.num_symbols}")
+
+    @property
+    def vocab_size(self) -> int:
+        return FIRST_SYMBOL + self.num_symbols
+
+    def batch(self, key: jax.Array, batch_size: int) -> Batch:
+        """Rows as described above; jittable. Scored: targets x_2 … x_R of the second copy."""
+        order_key, length_key, fill_key = jax.random.split(key, 3)
+        seq = jnp.argsort(jax.random.uniform(order_key, (batch_size, self.num_symbols)), axis=1)  # distinct
+        r = jax.random.randint(length_key, (batch_size, 1), self.min_repeat, self.max_repeat + 1)
+        fill = jax.random.randint(fill_key, (batch_size, self.seq_len + 1), 0, self.num_symbols)
+        pos = jnp.arange(self.seq_len + 1)[None, :]
+        copy_index = jnp.clip(jnp.where(pos < r, pos, pos - r), 0, self.num_symbols - 1)
+        repeated = jnp.take_along_axis(seq, copy_index, axis=1)
+        tokens = (FIRST_SYMBOL + jnp.where(pos < 2 * r, repeated, fill)).astype(jnp.int32)
+        target_pos = pos[:, 1:]  # target t is token t + 1
+        scored = (target_pos > r) & (target_pos < 2 * r)
+        return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "scored": scored}
+
+    def eval_batch(self, key: jax.Array, batch_size: int) -> Batch:
+        return self.batch(key, batch_size)
+
+    def eval_metrics(self, decoding, logits: jax.Array, batch: Batch) -> dict[str, jax.Array]:
+        del decoding, logits, batch  # token accuracy on the scored second copy says it all
+        return {}
+
+
 TASKS: dict[str, type] = {CopyTaskConfig.name: CopyTaskConfig, TextTaskConfig.name: TextTaskConfig,
-                          RecallTaskConfig.name: RecallTaskConfig}
+                          RecallTaskConfig.name: RecallTaskConfig, RepeatTaskConfig.name: RepeatTaskConfig}
 LMTaskConfig = TextTaskConfig  # the language-model task under its task name
 
 
