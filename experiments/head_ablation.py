@@ -46,7 +46,7 @@ from jax_mha.lab import analysis, head_types, stats
 from jax_mha.lab.checkpoint import load_checkpoint, save_checkpoint, train_state_metadata
 from jax_mha.lab.data import chance_accuracy, task_from_dict, task_to_dict
 from jax_mha.lab.models import Decoder, generate
-from jax_mha.lab.text import validation_batches
+from jax_mha.lab.text import ngram_baselines, validation_batches
 from jax_mha.lab.train import SeedsResult, train_seeds
 
 MODULE = "experiments.head_ablation"
@@ -69,7 +69,7 @@ def build_parser():
                               "quick about 8 minutes, --preset full about 5 hours (estimated).",
                       common.PRESETS, common.LM_PRESETS)
     p.add_argument("--task", choices=common.TASK_CHOICES, default="copy", help="what the models learn (default copy)")
-    p.add_argument("--preset", choices=sorted(common.PRESETS), default="quick",
+    p.add_argument("--preset", choices=sorted(set(common.PRESETS) | set(common.LM_PRESETS)), default="quick",
                    help="base configuration (default quick; every preset's values are listed below)")
     p.add_argument("--heads", type=common.positive_int, nargs="+", help="head counts to sweep (each must divide d_model)")
     p.add_argument("--seeds", type=common.positive_int, help="seeds per head count, trained together by vmap")
@@ -102,7 +102,7 @@ def build_parser():
 
 def build_config(args) -> AblationConfig:
     """The preset with command-line overrides applied (ValueError on a bad mix)."""
-    base = common.presets_for(args.task)[args.preset]()
+    base = common.preset_for(args.task, args.preset)
     heads = tuple(args.heads) if args.heads else base.heads
     analysis = base.analysis_heads if base.analysis_heads in heads else max(heads)
     task = _task(base.task, args)
@@ -163,7 +163,7 @@ def parse(argv):
 # ----------------------------------------------------------------- results
 
 
-def _lm_runs(result: SeedsResult) -> list[dict]:
+def _lm_runs(result: SeedsResult, cfg: AblationConfig) -> list[dict]:
     """Per-seed records of a language model: validation bpc (eval windows) over training."""
     ev = result.evals
     return [{
@@ -175,14 +175,23 @@ def _lm_runs(result: SeedsResult) -> list[dict]:
         "confidence": ev["confidence"][i, -1],
         "curve": {"step": result.curve["step"], "loss": result.curve["loss"][i], "accuracy": result.curve["accuracy"][i]},
         "eval_curve": {"step": ev["step"], "bpc": ev["bpc"][i], "token_accuracy": ev["token_accuracy"][i],
-                       "loss": ev["loss"][i]},
+                       "loss": ev["loss"][i], **{k: ev[k][i] for k in INDUCTION_CURVES if k in ev}},
+        # The training side of the train-validation gap: the last chunk's mean training loss.
+        "final_train_bpc": float(result.curve["loss"][i, -1] / np.log(2.0)),
+        "characters_seen": int(result.steps_run * cfg.train.batch_size * cfg.task.seq_len),
     } for i, seed in enumerate(result.seeds)]
+
+
+# Induction evidence the LM task records at every evaluation when it tracks it (text.induction_metrics).
+INDUCTION_CURVES = ("icl_score", "prefix_matching_frequent", "prefix_matching_spans", "copying_frequent",
+                    "copying_spans", "second_copy_loss_frequent", "second_copy_loss_spans", "prefix_matching_chance")
+
 
 
 def summarize_heads(h: int, result: SeedsResult, cfg: AblationConfig) -> dict:
     """The JSON record of one head count: per-seed runs plus timings."""
     ev = result.evals
-    runs = _lm_runs(result) if cfg.task.name == "lm" else [{
+    runs = _lm_runs(result, cfg) if cfg.task.name == "lm" else [{
         "seed": seed,
         "steps_to_target": result.steps_to_target[i],
         "final_token_accuracy": float(ev["token_accuracy"][i, -1]),
@@ -448,22 +457,39 @@ def lm_samples(results: dict, cfg: AblationConfig, out: Path) -> dict:
 
 
 def lm_summary_table(results: dict) -> str:
-    """Markdown: validation bpc and head-type counts per head count (mean ± std over seeds)."""
+    """Markdown: validation bpc (95 % t interval), train-validation gap, characters seen,
+    head-type counts per head count, beside the n-gram baselines of the same split."""
     cfg, m = results["config"], results["config"]["model"]
-    lines = [f"Character LM, T={cfg['task']['seq_len']}, d_model={m['d_model']}, {m['num_layers']} layers, "
+    width = f"head size {m['head_dim']} (attention h x {m['head_dim']})" if m.get("head_dim") else f"d_model={m['d_model']} shared by the heads"
+    lines = [f"Character LM, T={cfg['task']['seq_len']}, d_model={m['d_model']}, {width}, {m['num_layers']} layers, "
              f"{cfg['num_seeds']} seeds from {cfg['seed']}, batch {cfg['train']['batch_size']}, "
              f"{cfg['train']['num_steps']} steps. Mean ± sample std (ddof=1) over seeds [95 % t interval]; bpc on "
-             "the whole validation split.", "",
-             "| heads | head dim | validation bpc | induction heads | previous-token heads | first-token heads "
-             "| wall s | tokens/s |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "the whole validation split; gap = validation bpc minus the last 50 steps' training bpc.", ""]
+    if "ngram_bpc" in results:
+        lines += ["Interpolated (Witten-Bell) n-gram baselines fitted on this training split, scored on its validation "
+                  "split: " + ", ".join(f"{n}-gram {b:.3f}" for n, b in sorted(results["ngram_bpc"].items())) + " bpc.", ""]
+    lines += ["| heads | head dim | validation bpc | gap | characters/seed | induction heads | previous-token heads "
+              "| first-token heads | wall s | tokens/s |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for key in sorted(results["heads"], key=int):
         r = results["heads"][key]
         bpc = stats.t_interval([run.get("final_bpc") for run in r["runs"]])
+        gap = stats.mean_std([run["final_bpc"] - run["final_train_bpc"] for run in r["runs"]
+                              if "final_bpc" in run and "final_train_bpc" in run])
+        chars = r["runs"][0].get("characters_seen")
         counts = lambda t: "–" if "head_type_counts" not in r["runs"][0] else (
             "{:.1f} ± {:.1f}".format(*mean_std([run["head_type_counts"][t] for run in r["runs"]])))
-        lines.append(f"| {key} | {r['head_dim']} | {bpc.mean:.4f} ± {bpc.std:.4f} [{bpc.low:.3f}, {bpc.high:.3f}] | {counts('induction')} | "
+        lines.append(f"| {key} | {r['head_dim']} | {bpc.mean:.4f} ± {bpc.std:.4f} [{bpc.low:.3f}, {bpc.high:.3f}] | "
+                     f"{gap[0]:+.3f} | {chars if chars is None else f'{chars:,}'} | {counts('induction')} | "
                      f"{counts('previous_token')} | {counts('first_token')} | {r['wall_seconds']:.0f} | "
                      f"{r['tokens_per_second']:,.0f} |")
+    heads = sorted(results["heads"], key=int)
+    if len(heads) > 1 and all("final_bpc" in run for k in heads for run in results["heads"][k]["runs"]):
+        lines += ["", f"Seed-paired differences in validation bpc against h={heads[0]} (a seed reads the same batches "
+                  "at every h), mean [95 % t interval]:", ""]
+        base = [run["final_bpc"] for run in results["heads"][heads[0]]["runs"]]
+        for key in heads[1:]:
+            diff = stats.paired_difference([run["final_bpc"] for run in results["heads"][key]["runs"]], base)
+            lines.append(f"- h={key} − h={heads[0]}: {diff.format(4)}")
     for line in results.get("samples", {}).get("lines", []):
         shown = lambda text: text.replace("\n", "↵")
         lines.append(f"\n{line['sampling']}: `{shown(line['prompt'])}` → `{shown(line['continuation'])}`")
@@ -497,11 +523,19 @@ def plot_lm_results(results: dict, out: Path) -> None:
     final = {int(k): [run["final_bpc"] for run in r["runs"]] for k, r in results["heads"].items()}
     save_figure(plotting.bpc_vs_heads(final, title=f"Final validation bpc (whole split) vs heads\n{machine}"),
                 out / "bpc_vs_heads.png")
+    first = next(iter(results["heads"].values()))["runs"][0]["eval_curve"]
+    if "icl_score" in first:
+        save_figure(plotting.induction_curves(
+            {int(k): {"characters": np.asarray(r["runs"][0]["eval_curve"]["step"]) * c["train"]["batch_size"]
+                      * c["task"]["seq_len"], **{f: [run["eval_curve"][f] for run in r["runs"]] for f in INDUCTION_CURVES}}
+             for k, r in results["heads"].items()},
+            title=f"Induction evidence during training\n{machine}"), out / "induction_curves.png")
 
 
 def finish_lm(results: dict, cfg: AblationConfig, out: Path, save) -> None:
     """After training: bpc on the whole split, head types, samples, tables, plots."""
     measure_lm_models(results, cfg, out)
+    results["ngram_bpc"] = ngram_baselines(cfg.task.corpus)  # the lines to pass, on this very split
     results["samples"] = lm_samples(results, cfg, out)
     save()
     write_atomic(out / "head_types.md", head_type_markdown(results))
