@@ -32,3 +32,14 @@ def test_lm_sizing_tiny(tmp_path):
     assert np.all(np.isfinite(run["final_bpc"]))
     assert results["ngram_bpc"][1] > results["ngram_bpc"][3]  # the baselines come from the split
     assert "3-gram" in (tmp_path / "summary.md").read_text() and (tmp_path / "sizing_curves.png").exists()
+
+
+def test_one_token_accuracy_reference_lines():
+    from jax_mha.lab.data import RecallTaskConfig
+
+    # With 40 key symbols another of the 8 pairs shares the token with probability ~7/40: mostly one token will do.
+    assert associative_recall.one_token_accuracy(RecallTaskConfig(num_key_symbols=40), "a", rows=256) > 0.9
+    # With 2 key symbols and 4 distinct keys, each token value is shared by exactly 2 pairs:
+    # right with probability 1/2 + (1/2)(1/V) when the other candidate's value may coincide.
+    cfg = RecallTaskConfig(num_pairs=4, num_queries=4, num_key_symbols=2, num_values=8)
+    assert associative_recall.one_token_accuracy(cfg, "b", rows=4096) == pytest.approx(0.5 + 0.5 / 8, abs=0.01)
