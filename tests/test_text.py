@@ -210,7 +210,8 @@ def test_lm_task_is_a_registered_task_and_round_trips(lm_task):
 
     assert TASKS["lm"] is TextTaskConfig and lm_task.stop_metric is None  # never stops early
     data = task_to_dict(lm_task)
-    assert data == {"name": "lm", "seq_len": 7, "validation_fraction": 0.25, "text_file": lm_task.text_file}
+    assert data == {"name": "lm", "seq_len": 7, "validation_fraction": 0.25, "text_file": lm_task.text_file,
+                    "track_induction": False}
     assert task_from_dict(data) == lm_task and hash(task_from_dict(data)) == hash(lm_task)
     assert lm_task.corpus is lm_task.corpus  # loaded once, cached per config
     assert lm_task.vocab_size == len(set(LM_TEXT))
