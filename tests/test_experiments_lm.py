@@ -59,6 +59,7 @@ def test_ablation_writes_bpc_head_types_and_samples(workdir):
     assert all(run["characters_seen"] == 50 * 4 * 16 for run in record["runs"])
     assert len(record["runs"][0]["eval_curve"]["icl_score"]) == 2
     assert "3-gram" in (out / "summary.md").read_text() and "gap" in (out / "summary.md").read_text()
+    assert (out / "induction.md").read_text().count("\n| 4 | ") == 2  # one row per seed
     for png in ("bpc_curves.png", "bpc_vs_heads.png", "head_types/h4_seed0.png", "head_types/h4_seed1.png",
                 "induction_curves.png"):
         assert (out / png).read_bytes().startswith(PNG_MAGIC), png
