@@ -42,11 +42,11 @@ import numpy as np
 from experiments import common, plotting
 from experiments.common import AblationConfig, Interrupted, save_figure, write_atomic, write_json
 from jax_mha import parallel
-from jax_mha.lab import analysis, head_types
+from jax_mha.lab import analysis, head_types, stats
 from jax_mha.lab.checkpoint import load_checkpoint, save_checkpoint, train_state_metadata
 from jax_mha.lab.data import chance_accuracy, task_from_dict, task_to_dict
 from jax_mha.lab.models import Decoder, generate
-from jax_mha.lab.text import validation_batches
+from jax_mha.lab.text import ngram_baselines, validation_batches
 from jax_mha.lab.train import SeedsResult, train_seeds
 
 MODULE = "experiments.head_ablation"
@@ -73,7 +73,7 @@ def build_parser():
                               "quick about 8 minutes, --preset full about 5 hours (estimated).",
                       common.PRESETS, common.LM_PRESETS)
     p.add_argument("--task", choices=common.TASK_CHOICES, default="copy", help="what the models learn (default copy)")
-    p.add_argument("--preset", choices=sorted(common.PRESETS), default="quick",
+    p.add_argument("--preset", choices=sorted(set(common.PRESETS) | set(common.LM_PRESETS)), default="quick",
                    help="base configuration (default quick; every preset's values are listed below)")
     p.add_argument("--heads", type=common.positive_int, nargs="+", help="head counts to sweep (each must divide d_model)")
     p.add_argument("--seeds", type=common.positive_int, help="seeds per head count, trained together by vmap")
@@ -81,6 +81,8 @@ def build_parser():
     p.add_argument("--steps", type=common.positive_int, help="maximum optimizer steps per head count (a multiple of --steps-per-call)")
     p.add_argument("--d-model", type=common.positive_int, help="model width, fixed across head counts (d_ff = 4 d_model)")
     p.add_argument("--layers", type=common.positive_int, help="number of Transformer blocks")
+    p.add_argument("--head-dim", type=common.positive_int,
+                   help="fix each head's size D: h heads project to h*D (default: heads share d_model, D = d_model/h)")
     p.add_argument("--length", type=common.positive_int,
                    help="L, symbols per copy: sequences have 2L+3 tokens, the model reads T = 2L+2")
     p.add_argument("--reverse", action="store_true", help="the reverse variant: the second half is reversed")
@@ -104,12 +106,12 @@ def build_parser():
 
 def build_config(args) -> AblationConfig:
     """The preset with command-line overrides applied (ValueError on a bad mix)."""
-    base = common.presets_for(args.task)[args.preset]()
+    base = common.preset_for(args.task, args.preset)
     heads = tuple(args.heads) if args.heads else base.heads
     analysis = base.analysis_heads if base.analysis_heads in heads else max(heads)
     task = _task(base.task, args)
     model = dataclasses.replace(base.model, vocab_size=task.vocab_size, max_len=task.seq_len, num_heads=analysis,
-                                **_given(d_model=args.d_model, num_layers=args.layers))
+                                **_given(d_model=args.d_model, num_layers=args.layers, head_dim=args.head_dim))
     if args.d_model is not None:
         model = dataclasses.replace(model, d_ff=4 * args.d_model)
     train = base.train
@@ -119,8 +121,11 @@ def build_config(args) -> AblationConfig:
     if args.steps_per_call is not None and args.eval_every is None:
         overrides["eval_every"] = max(train.eval_every // args.steps_per_call, 1) * args.steps_per_call
     train = dataclasses.replace(train, **overrides)
+    # An explicit --lr is one rate for every head count; else the preset's per-h rates stand.
+    rates = () if args.lr is not None else base.learning_rates
     return AblationConfig(heads=heads, num_seeds=args.seeds or base.num_seeds, task=task, model=model, train=train,
-                          seed=base.seed if args.seed is None else args.seed, analysis_heads=analysis)
+                          seed=base.seed if args.seed is None else args.seed, analysis_heads=analysis,
+                          learning_rates=rates)
 
 
 def _task(base, args):
@@ -154,13 +159,15 @@ def parse(argv):
     mesh = common.build_or_exit(p, lambda: _make_mesh(args, cfg)) if args.mesh else None
     if args.out is None:
         args.out = common.default_out("head_ablation", args.preset, args.task, args.reverse)
+        if args.head_dim is not None:  # the head-size control: its own folder beside the fixed-width sweep
+            args.out = args.out.with_name(f"{args.out.name}-head-dim{args.head_dim}")
     return args, cfg, mesh
 
 
 # ----------------------------------------------------------------- results
 
 
-def _lm_runs(result: SeedsResult) -> list[dict]:
+def _lm_runs(result: SeedsResult, cfg: AblationConfig) -> list[dict]:
     """Per-seed records of a language model: validation bpc (eval windows) over training."""
     ev = result.evals
     return [{
@@ -172,14 +179,23 @@ def _lm_runs(result: SeedsResult) -> list[dict]:
         "confidence": ev["confidence"][i, -1],
         "curve": {"step": result.curve["step"], "loss": result.curve["loss"][i], "accuracy": result.curve["accuracy"][i]},
         "eval_curve": {"step": ev["step"], "bpc": ev["bpc"][i], "token_accuracy": ev["token_accuracy"][i],
-                       "loss": ev["loss"][i]},
+                       "loss": ev["loss"][i], **{k: ev[k][i] for k in INDUCTION_CURVES if k in ev}},
+        # The training side of the train-validation gap: the last chunk's mean training loss.
+        "final_train_bpc": float(result.curve["loss"][i, -1] / np.log(2.0)),
+        "characters_seen": int(result.steps_run * cfg.train.batch_size * cfg.task.seq_len),
     } for i, seed in enumerate(result.seeds)]
+
+
+# Induction evidence the LM task records at every evaluation when it tracks it (text.induction_metrics).
+INDUCTION_CURVES = ("icl_score", "prefix_matching_frequent", "prefix_matching_spans", "copying_frequent",
+                    "copying_spans", "second_copy_loss_frequent", "second_copy_loss_spans", "prefix_matching_chance")
+
 
 
 def summarize_heads(h: int, result: SeedsResult, cfg: AblationConfig) -> dict:
     """The JSON record of one head count: per-seed runs plus timings."""
     ev = result.evals
-    runs = _lm_runs(result) if cfg.task.name == "lm" else [{
+    runs = _lm_runs(result, cfg) if cfg.task.name == "lm" else [{
         "seed": seed,
         "steps_to_target": result.steps_to_target[i],
         "final_token_accuracy": float(ev["token_accuracy"][i, -1]),
@@ -194,7 +210,7 @@ def summarize_heads(h: int, result: SeedsResult, cfg: AblationConfig) -> dict:
     } for i, seed in enumerate(result.seeds)]
     tokens_per_program_step = cfg.train.batch_size * cfg.task.seq_len * len(result.seeds)
     return {
-        "heads": h, "head_dim": cfg.model.d_model // h, "steps_run": result.steps_run,
+        "heads": h, "head_dim": cfg.model_for(h).size_per_head, "steps_run": result.steps_run,
         "stop_reason": result.stop_reason, "resumed_from": result.resumed_from,
         "wall_seconds": result.wall_seconds, "train_seconds": result.train_seconds,
         "tokens_per_second": result.tokens_per_second,
@@ -204,11 +220,9 @@ def summarize_heads(h: int, result: SeedsResult, cfg: AblationConfig) -> dict:
     }
 
 
-def mean_std(values) -> tuple[float, float]:
-    """Mean and standard deviation, ignoring None (a seed that never reached a target)."""
-    v = np.asarray([x for x in values if x is not None], dtype=float)
-    v = v[np.isfinite(v)]
-    return (float(v.mean()), float(v.std())) if v.size else (float("nan"), float("nan"))
+# The seeds' spread is the sample std (ddof=1): the population std understated it by
+# sqrt(n / (n - 1)) = 1.22x at 3 seeds (issue 22).
+mean_std = stats.mean_std
 
 
 def _table_row(r: dict) -> str:
@@ -234,7 +248,7 @@ def summary_table(results: dict) -> str:
         f"Delayed copy, L={t['length']}{' (reversed)' if t['reverse'] else ''} (the model reads T={2 * t['length'] + 2} "
         f"tokens), d_model={cfg['model']['d_model']}, {cfg['model']['num_layers']} layers, {cfg['num_seeds']} seeds "
         f"from {cfg['seed']}, batch {cfg['train']['batch_size']}, ≤ {cfg['train']['num_steps']} steps. "
-        "Mean ± std over seeds.",
+        "Mean ± sample std (ddof=1) over seeds.",
         "",
         "| heads | head dim | steps to 99% token acc | final token acc | final exact-seq acc | norm. entropy (mean over heads) | steps run | wall s | tokens/s |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -256,9 +270,9 @@ def plot_results(results: dict, out: Path) -> None:
               for h, rs in runs.items()}
     save_figure(plotting.learning_curves(curves), out / "learning_curves.png")
     chance = chance_accuracy(task_from_dict(results["config"]["task"]))
-    stats = {h: {field: mean_std([r[field] for r in rs]) for field in
+    summary = {h: {field: mean_std([r[field] for r in rs]) for field in
                  ("final_token_accuracy", "final_exact_accuracy", "steps_to_target")} for h, rs in runs.items()}
-    save_figure(plotting.accuracy_vs_heads(stats, chance), out / "accuracy_vs_heads.png")
+    save_figure(plotting.accuracy_vs_heads(summary, chance), out / "accuracy_vs_heads.png")
     entropy = {h: np.asarray([r["entropy_normalized"] for r in rs]) for h, rs in runs.items()}
     save_figure(plotting.entropy_per_head(entropy), out / "entropy_per_head.png")
 
@@ -310,7 +324,8 @@ def train_head_count(h: int, cfg: AblationConfig, args, mesh, status: dict) -> d
     bar = common.TrainingBar(cfg.train.num_steps, f"h={h:>2}", args.no_progress)
     status.update(heads=h, state_file=state_file)
     try:
-        result = train_seeds(model, cfg.task, cfg.train, cfg.seeds, mesh=mesh, callback=bar, state_file=state_file)
+        result = train_seeds(model, cfg.task, cfg.train_for(h), cfg.seeds, mesh=mesh, callback=bar,
+                             state_file=state_file)
     except ValueError as e:  # a state file of another run, or damaged
         raise SystemExit(f"error: {e}; or rerun with --force") from None
     finally:
@@ -446,21 +461,39 @@ def lm_samples(results: dict, cfg: AblationConfig, out: Path) -> dict:
 
 
 def lm_summary_table(results: dict) -> str:
-    """Markdown: validation bpc and head-type counts per head count (mean ± std over seeds)."""
+    """Markdown: validation bpc (95 % t interval), train-validation gap, characters seen,
+    head-type counts per head count, beside the n-gram baselines of the same split."""
     cfg, m = results["config"], results["config"]["model"]
-    lines = [f"Character LM, T={cfg['task']['seq_len']}, d_model={m['d_model']}, {m['num_layers']} layers, "
+    width = f"head size {m['head_dim']} (attention h x {m['head_dim']})" if m.get("head_dim") else f"d_model={m['d_model']} shared by the heads"
+    lines = [f"Character LM, T={cfg['task']['seq_len']}, d_model={m['d_model']}, {width}, {m['num_layers']} layers, "
              f"{cfg['num_seeds']} seeds from {cfg['seed']}, batch {cfg['train']['batch_size']}, "
-             f"{cfg['train']['num_steps']} steps. Mean ± std over seeds; bpc on the whole validation split.", "",
-             "| heads | head dim | validation bpc | induction heads | previous-token heads | first-token heads "
-             "| wall s | tokens/s |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"{cfg['train']['num_steps']} steps. Mean ± sample std (ddof=1) over seeds [95 % t interval]; bpc on "
+             "the whole validation split; gap = validation bpc minus the last 50 steps' training bpc.", ""]
+    if "ngram_bpc" in results:
+        lines += ["Interpolated (Witten-Bell) n-gram baselines fitted on this training split, scored on its validation "
+                  "split: " + ", ".join(f"{n}-gram {b:.3f}" for n, b in sorted(results["ngram_bpc"].items())) + " bpc.", ""]
+    lines += ["| heads | head dim | validation bpc | gap | characters/seed | induction heads | previous-token heads "
+              "| first-token heads | wall s | tokens/s |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for key in sorted(results["heads"], key=int):
         r = results["heads"][key]
-        bpc = mean_std([run.get("final_bpc") for run in r["runs"]])
+        bpc = stats.t_interval([run.get("final_bpc") for run in r["runs"]])
+        gap = stats.mean_std([run["final_bpc"] - run["final_train_bpc"] for run in r["runs"]
+                              if "final_bpc" in run and "final_train_bpc" in run])
+        chars = r["runs"][0].get("characters_seen")
         counts = lambda t: "–" if "head_type_counts" not in r["runs"][0] else (
             "{:.1f} ± {:.1f}".format(*mean_std([run["head_type_counts"][t] for run in r["runs"]])))
-        lines.append(f"| {key} | {r['head_dim']} | {bpc[0]:.4f} ± {bpc[1]:.4f} | {counts('induction')} | "
+        lines.append(f"| {key} | {r['head_dim']} | {bpc.mean:.4f} ± {bpc.std:.4f} [{bpc.low:.3f}, {bpc.high:.3f}] | "
+                     f"{gap[0]:+.3f} | {chars if chars is None else f'{chars:,}'} | {counts('induction')} | "
                      f"{counts('previous_token')} | {counts('first_token')} | {r['wall_seconds']:.0f} | "
                      f"{r['tokens_per_second']:,.0f} |")
+    heads = sorted(results["heads"], key=int)
+    if len(heads) > 1 and all("final_bpc" in run for k in heads for run in results["heads"][k]["runs"]):
+        lines += ["", f"Seed-paired differences in validation bpc against h={heads[0]} (a seed reads the same batches "
+                  "at every h), mean [95 % t interval]:", ""]
+        base = [run["final_bpc"] for run in results["heads"][heads[0]]["runs"]]
+        for key in heads[1:]:
+            diff = stats.paired_difference([run["final_bpc"] for run in results["heads"][key]["runs"]], base)
+            lines.append(f"- h={key} − h={heads[0]}: {diff.format(4)}")
     for line in results.get("samples", {}).get("lines", []):
         shown = lambda text: text.replace("\n", "↵")
         lines.append(f"\n{line['sampling']}: `{shown(line['prompt'])}` → `{shown(line['continuation'])}`")
@@ -480,6 +513,30 @@ def head_type_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def induction_markdown(results: dict) -> str:
+    """Markdown: at the last evaluation, every model's best prefix-matching head on each
+    probe against uniform attention's score, the copying effect and the ICL score."""
+    lines = ["Induction evidence at the last evaluation (`jax_mha.lab.text.induction_metrics`). Prefix matching: "
+             "mean weight on the key after the query's first occurrence, over the second copy of 32 repeated rows "
+             "(real validation spans; distinct frequent characters); 'x chance' divides by uniform causal "
+             "attention's score. Copying: first-copy minus second-copy loss (nats). ICL: loss at the last 16 "
+             "positions minus positions 8-15 of validation windows (nats; negative = the context helps).", "",
+             "| heads | seed | best head, spans (layer, head) | prefix matching, spans | x chance | best, frequent "
+             "| copying, spans | copying, frequent | ICL score |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for key in sorted(results["heads"], key=int):
+        for run in results["heads"][key]["runs"]:
+            ev = run["eval_curve"]
+            if "icl_score" not in ev:
+                continue
+            spans, freq = np.asarray(ev["prefix_matching_spans"][-1]), np.asarray(ev["prefix_matching_frequent"][-1])
+            chance = float(np.asarray(ev["prefix_matching_chance"])[-1])
+            layer, head = np.unravel_index(int(spans.argmax()), spans.shape)
+            lines.append(f"| {key} | {run['seed']} | ({layer}, {head}) | {spans.max():.3f} | {spans.max() / chance:.1f} | "
+                         f"{freq.max():.3f} | {float(ev['copying_spans'][-1]):.3f} | "
+                         f"{float(ev['copying_frequent'][-1]):.3f} | {float(ev['icl_score'][-1]):+.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot_lm_results(results: dict, out: Path) -> None:
     """bpc_curves.png and bpc_vs_heads.png."""
     c, m = results["config"], results["config"]["model"]
@@ -494,14 +551,24 @@ def plot_lm_results(results: dict, out: Path) -> None:
     final = {int(k): [run["final_bpc"] for run in r["runs"]] for k, r in results["heads"].items()}
     save_figure(plotting.bpc_vs_heads(final, title=f"Final validation bpc (whole split) vs heads\n{machine}"),
                 out / "bpc_vs_heads.png")
+    first = next(iter(results["heads"].values()))["runs"][0]["eval_curve"]
+    if "icl_score" in first:
+        save_figure(plotting.induction_curves(
+            {int(k): {"characters": np.asarray(r["runs"][0]["eval_curve"]["step"]) * c["train"]["batch_size"]
+                      * c["task"]["seq_len"], **{f: [run["eval_curve"][f] for run in r["runs"]] for f in INDUCTION_CURVES}}
+             for k, r in results["heads"].items()},
+            title=f"Induction evidence during training\n{machine}"), out / "induction_curves.png")
 
 
 def finish_lm(results: dict, cfg: AblationConfig, out: Path, save) -> None:
     """After training: bpc on the whole split, head types, samples, tables, plots."""
     measure_lm_models(results, cfg, out)
+    results["ngram_bpc"] = ngram_baselines(cfg.task.corpus)  # the lines to pass, on this very split
     results["samples"] = lm_samples(results, cfg, out)
     save()
     write_atomic(out / "head_types.md", head_type_markdown(results))
+    if any("icl_score" in run["eval_curve"] for r in results["heads"].values() for run in r["runs"]):
+        write_atomic(out / "induction.md", induction_markdown(results))
     plot_lm_results(results, out)
     print("\n" + lm_summary_table(results))
     print(f"wrote {out}/results.json, summary.md, head_types.md, bpc_curves.png, bpc_vs_heads.png, head_types/*.png")

@@ -82,6 +82,7 @@ PRUNING = {"quick": PruningConfig(), "full": PruningConfig(),
            "tiny": PruningConfig(eval_size=23, score_size=23, chunk_size=None)}
 # The LM: validation windows score (128 x 64 = 8,192 characters at quick), training windows rank.
 LM_PRUNING = {"quick": PruningConfig(eval_size=128, score_size=64, criterion="loss"),
+              "standard": PruningConfig(eval_size=128, score_size=64, criterion="loss"),
               "full": PruningConfig(eval_size=128, score_size=64, criterion="loss"),
               "tiny": PruningConfig(eval_size=8, score_size=8, criterion="loss", chunk_size=None)}
 
@@ -333,12 +334,18 @@ def lm_analyse(m: common.StudyModel, args, cfg: PruningConfig) -> dict:
     records = prune_both_orders(m, model, batches, cfg, normalize, not args.no_progress)
     shape = analysis.gate_shape(model)
     total, base = shape[0] * shape[1], records["importance"].steps[0].loss * BITS
+    importance = np.asarray(analysis.head_importance(m.params, model, batches["score"], normalize=normalize))
+    oracle = np.asarray(analysis.ablate_each_head_loss(m.params, model, batches["score"], chunk_size=cfg.chunk_size))
+    induction = lm_induction_check(m, model)
     results = {
         "config": dataclasses.asdict(cfg) | {"task": task_to_dict(m.task), "model": dataclasses.asdict(m.config),
                                              "normalize": normalize, "preset": args.preset},
         "metadata": common.run_metadata(), "source": m.source, "total_heads": total, "base_bpc": base,
         "all_heads_off_bpc": records["importance"].steps[-1].loss * BITS,
         "head_types": head_types.head_type_table(scores, labels),
+        "importance": importance, "oracle_loss_rise_score_batch": oracle,
+        "spearman_importance_vs_oracle": spearman(importance, oracle),
+        "stop_rules": STOP_RULES, "induction_check": induction,
         "heads_prunable": {o: r.heads_prunable for o, r in records.items()},
         "pruning": {o: r.to_dict() for o, r in records.items()},
         "bpc_curves": {o: [s.loss * BITS for s in r.steps] for o, r in records.items()},
@@ -354,6 +361,12 @@ def lm_analyse(m: common.StudyModel, args, cfg: PruningConfig) -> dict:
     write_json(args.out / "results.json", results)
     print(f"\nmodel: {m.source['path']} ({describe(m)}); unpruned bpc {base:.4f}, all heads off "
           f"{results['all_heads_off_bpc']:.4f}")
+    print(f"Spearman(importance, oracle bpc rise) over {total} heads: {results['spearman_importance_vs_oracle']:.3f}")
+    print("stop rules: " + "; ".join(f"{task}: {rule}" for task, rule in STOP_RULES.items()))
+    top, none = induction["arms"]["top"], induction["arms"]["none"]
+    print(f"gating the top induction heads {top['heads']}: second-copy loss {none['second_copy_loss']:.3f} -> "
+          f"{top['second_copy_loss']:.3f}, late {none['late_loss']:.3f} -> {top['late_loss']:.3f}, early "
+          f"{none['early_loss']:.3f} -> {top['early_loss']:.3f} nats")
     for o, r in records.items():
         sv = results["survivors"][o]
         print(f"{o}: {r.heads_prunable}/{total} heads pruned before bpc rose > {100 * cfg.max_drop:g} % "
@@ -363,6 +376,24 @@ def lm_analyse(m: common.StudyModel, args, cfg: PruningConfig) -> dict:
 
 
 ORDER_LABELS_LM = {"importance": "by gradient importance I(l,h)", "oracle": "by oracle (bpc rise)"}
+# The two tasks' rules are not alike, and the results say so side by side (issue 22).
+STOP_RULES = {"copy": "stop before held-out token accuracy falls more than 1 point (absolute) below the unpruned model",
+              "lm": "stop before validation bpc rises more than 1 % (relative) above the unpruned model"}
+INDUCTION_GATED = 2  # heads gated in the causal induction check (and, as control, as many of the lowest)
+
+
+def lm_induction_check(m: common.StudyModel, model: Decoder) -> dict:
+    """Prefix matching on repeated real validation spans, then Olsson et al.'s causal
+    check: gate the top heads (and, as a control, the bottom ones)."""
+    from jax_mha.lab.text import PROBE_ROWS, induction_probes
+
+    probe = jnp.asarray(induction_probes(m.task)["spans"])
+    r = probe.shape[1] // 2
+    weights = analysis.attention_weights(m.params, model, probe)
+    scores = np.asarray(head_types.prefix_matching_score(weights, r))
+    text = m.task.eval_batch(None, PROBE_ROWS)["inputs"]
+    arms = analysis.induction_gating_check(m.params, model, probe, r, text, scores, k=INDUCTION_GATED)
+    return {"prefix_matching_spans": scores, "chance": head_types.prefix_matching_chance(r), "arms": arms}
 
 
 def main(argv=None) -> dict:

@@ -8,7 +8,7 @@ before the first figure.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -427,8 +427,11 @@ def bpc_vs_heads(stats: Mapping[int, Sequence[float]], *, title: str):
     fig, ax = plt.subplots(figsize=(6.5, 4.4))
     for h, v in zip(heads, values):
         ax.scatter(np.full(v.shape, h), v, color="grey", s=14, zorder=3, label="single seed" if h == heads[0] else None)
-    ax.errorbar(heads, [v.mean() for v in values], yerr=[v.std() for v in values], marker="o", capsize=5,
-                color="C0", label="mean ± std over seeds", zorder=2)
+    from jax_mha.lab.stats import t_interval
+
+    half = [t_interval(v).half_width if v.size > 1 else 0.0 for v in values]
+    ax.errorbar(heads, [v.mean() for v in values], yerr=half, marker="o", capsize=5,
+                color="C0", label="mean, 95 % t interval over seeds", zorder=2)
     ax.set(xscale="log", xlabel="number of heads h (d_model fixed)", ylabel="validation bits per character (lower is better)",
            title=title)
     ax.set_xticks(heads, [str(h) for h in heads])
@@ -500,5 +503,45 @@ def bpc_pruning_curves(
     ax.set(xlabel="fraction of heads pruned", ylabel="validation bits per character", title=title, xlim=(-0.02, 1.02))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
+def induction_curves(curves: Mapping[int, Mapping[str, Any]], *, title: str):
+    """Induction evidence against training characters, one line per head count (mean over seeds).
+
+    Args:
+      curves: `heads -> {"characters": (E,), "icl_score": per-seed (E,), "prefix_matching_spans":
+        per-seed (E, layers, H), "prefix_matching_frequent": same, "copying_spans": per-seed (E,),
+        "prefix_matching_chance": per-seed (E,)}`.
+      title: the figure's title.
+
+    Returns:
+      the figure: ICL score, the best head's prefix matching (real spans and frequent
+      characters, chance dotted), and the copying effect on real spans.
+    """
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
+    chance = None
+    for i, h in enumerate(sorted(curves)):
+        c = curves[h]
+        x = np.asarray(c["characters"], float)
+        axes[0].plot(x, np.mean(c["icl_score"], axis=0), color=f"C{i}", marker=".", label=f"h={h}")
+        best = lambda key: np.mean([np.asarray(s).reshape(len(x), -1).max(-1) for s in c[key]], axis=0)
+        axes[1].plot(x, best("prefix_matching_spans"), color=f"C{i}", marker=".", label=f"h={h}, real spans")
+        axes[1].plot(x, best("prefix_matching_frequent"), color=f"C{i}", ls="--", label=f"h={h}, frequent chars")
+        axes[2].plot(x, np.mean(c["copying_spans"], axis=0), color=f"C{i}", marker=".", label=f"h={h}")
+        chance = float(np.mean(c["prefix_matching_chance"]))
+    if chance is not None:
+        axes[1].axhline(chance, color="grey", ls=":", label=f"uniform attention ({chance:.3f})")
+    axes[0].set(ylabel="ICL score: late − early loss (nats)", title="In-context learning (Olsson et al. 2022)")
+    axes[1].set(ylabel="best head's prefix-matching score", title="Prefix matching on repeated sequences", ylim=(0, 1))
+    axes[2].set(ylabel="first-copy − second-copy loss (nats)", title="Copying effect on repeated real spans")
+    for ax in axes:
+        ax.set(xlabel="training characters per seed")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
     fig.tight_layout()
     return fig

@@ -355,3 +355,37 @@ def test_split_bpc_is_the_count_weighted_mean(setup):
     counts = np.asarray(stacked["scored"].sum((1, 2)), float)
     expected = (losses[0] * counts[0] + losses[1] * counts[1]) / counts.sum() / np.log(2)
     np.testing.assert_allclose(analysis.split_bpc(params, model, stacked), expected, rtol=1e-5)
+
+
+# ----------------------------------------------------------------- oracle in loss, the causal induction check (issue 22)
+
+
+def test_ablate_each_head_loss_matches_a_loop(setup):
+    model, params, batch = setup
+    rises = np.asarray(analysis.ablate_each_head_loss(params, model, batch))
+    base = float(scored_loss(_apply(params, batch["inputs"], jnp.ones((LAYERS, HEADS))), batch)[0])
+    for layer in range(LAYERS):
+        for head in range(HEADS):
+            gates = jnp.ones((LAYERS, HEADS)).at[layer, head].set(0.0)
+            loss = float(scored_loss(_apply(params, batch["inputs"], gates), batch)[0])
+            assert rises[layer, head] == pytest.approx(loss - base, abs=1e-5)
+
+
+def test_induction_gating_check_gates_the_named_heads(setup):
+    from jax_mha.lab import head_types
+
+    model, params, batch = setup
+    r = 5
+    probe = jnp.concatenate([batch["inputs"][:, :r], batch["inputs"][:, :r]], axis=1)  # (7, 10)
+    text = batch["inputs"]  # (7, 12)
+    scores = np.array([[0.1, 0.9, 0.2], [0.3, 0.05, 0.8]])
+    out = analysis.induction_gating_check(params, model, probe, r, text, scores, k=2, early=(1, 3), late_from_end=3)
+    assert out["top"]["heads"] == [(0, 1), (1, 2)] and out["bottom"]["heads"] == [(1, 1), (0, 0)]
+    for arm, heads in (("none", []), ("top", [(0, 1), (1, 2)])):
+        gates = jnp.asarray(analysis.gates_without((LAYERS, HEADS), heads))
+        copy = head_types.copying_effect(_apply(params, probe, gates), probe, r)
+        nll = head_types.token_losses(_apply(params, text, gates), text)  # (7, 11)
+        assert out[arm]["second_copy_loss"] == pytest.approx(float(copy["second_copy_loss"]), rel=1e-5)
+        assert out[arm]["early_loss"] == pytest.approx(float(nll[:, 1:3].mean()), rel=1e-5)
+        assert out[arm]["late_loss"] == pytest.approx(float(nll[:, -3:].mean()), rel=1e-5)
+    assert out["top"]["second_copy_loss"] != out["none"]["second_copy_loss"]  # gating changed something

@@ -116,3 +116,51 @@ def test_bad_sizes():
         CopyTaskConfig(length=2.5)
     with pytest.raises(ValueError, match="num_symbols=1"):
         CopyTaskConfig(num_symbols=1)
+
+
+# ----------------------------------------------------------------- multi-query associative recall (issue 22)
+
+
+def _recall_reference(tokens: np.ndarray, num_pairs: int) -> dict[int, int]:
+    """Independent reading of one row: {input position t: the value the key (tokens[t-1], tokens[t]) names}."""
+    context = {(int(tokens[1 + 3 * i]), int(tokens[2 + 3 * i])): int(tokens[3 + 3 * i]) for i in range(num_pairs)}
+    out = {}
+    for t in range(3 * num_pairs + 3, len(tokens) - 1, 3):  # each query's b, after BOS, the pairs and SEP
+        out[t] = context[(int(tokens[t - 1]), int(tokens[t]))]
+    return out
+
+
+def test_recall_targets_are_the_value_of_the_matching_key():
+    from jax_mha.lab.data import RecallTaskConfig, make_recall_batch
+
+    cfg = RecallTaskConfig(num_pairs=7, num_queries=5, num_key_symbols=3, num_values=11)
+    batch = jax.tree.map(np.asarray, make_recall_batch(jax.random.PRNGKey(3), cfg, 13))
+    assert batch["inputs"].shape == (13, cfg.seq_len) == (13, 3 * 12 + 1)
+    for row in range(13):
+        tokens = np.concatenate([batch["inputs"][row], batch["targets"][row, -1:]])
+        keys = [(tokens[1 + 3 * i], tokens[2 + 3 * i]) for i in range(7)]
+        assert len(set(keys)) == 7  # distinct keys, so the answer is unique
+        assert all(cfg.first_value <= tokens[3 + 3 * i] < cfg.vocab_size for i in range(7))
+        expected = _recall_reference(tokens, 7)
+        assert sorted(np.flatnonzero(batch["scored"][row])) == sorted(expected)
+        for t, value in expected.items():
+            assert batch["targets"][row, t] == value
+    # With 3 key symbols and 7 pairs, some row holds both (a, b) and (b, a): order matters.
+    rows = [{(int(r[1 + 3 * i]), int(r[2 + 3 * i])) for i in range(7)} for r in batch["inputs"]]
+    assert any((x, y) in keys and (y, x) in keys and x != y for keys in rows for (x, y) in keys)
+
+
+def test_recall_task_checks_and_registration():
+    from jax_mha.lab.data import TASKS, RecallTaskConfig, task_from_dict, task_to_dict
+
+    cfg = RecallTaskConfig(num_pairs=4, num_queries=2)
+    assert TASKS["mqar"] is RecallTaskConfig and task_from_dict(task_to_dict(cfg)) == cfg
+    with pytest.raises(ValueError, match="num_key_symbols"):
+        RecallTaskConfig(num_pairs=10, num_key_symbols=3)
+    with pytest.raises(ValueError, match="num_queries"):
+        RecallTaskConfig(num_pairs=2, num_queries=3)
+    batch = cfg.batch(jax.random.PRNGKey(0), 5)
+    perfect = cfg.eval_metrics(None, jax.nn.one_hot(batch["targets"], cfg.vocab_size), batch)
+    assert float(perfect["recall_accuracy"]) == 1.0 and float(perfect["query_exact"]) == 1.0
+    wrong = cfg.eval_metrics(None, jax.nn.one_hot(jnp.zeros_like(batch["targets"]), cfg.vocab_size), batch)
+    assert float(wrong["recall_accuracy"]) == 0.0 and float(wrong["query_exact"]) == 0.0

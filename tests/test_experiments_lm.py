@@ -54,7 +54,14 @@ def test_ablation_writes_bpc_head_types_and_samples(workdir):
     table = (out / "head_types.md").read_text()
     assert table.count("\n| 4 | ") == 8  # 2 seeds x 4 heads, one row each
     assert "validation bpc" in (out / "summary.md").read_text() and "validation bpc" in stdout
-    for png in ("bpc_curves.png", "bpc_vs_heads.png", "head_types/h4_seed0.png", "head_types/h4_seed1.png"):
+    # Issue 22: baselines of the split, characters seen, the gap, and the induction curves of every evaluation.
+    assert set(results["ngram_bpc"]) == {"1", "2", "3", "4", "5"}
+    assert all(run["characters_seen"] == 50 * 4 * 16 for run in record["runs"])
+    assert len(record["runs"][0]["eval_curve"]["icl_score"]) == 2
+    assert "3-gram" in (out / "summary.md").read_text() and "gap" in (out / "summary.md").read_text()
+    assert (out / "induction.md").read_text().count("\n| 4 | ") == 2  # one row per seed
+    for png in ("bpc_curves.png", "bpc_vs_heads.png", "head_types/h4_seed0.png", "head_types/h4_seed1.png",
+                "induction_curves.png"):
         assert (out / png).read_bytes().startswith(PNG_MAGIC), png
 
 
@@ -71,3 +78,11 @@ def test_attention_maps_and_pruning_use_the_ablation_model(workdir):
         assert len(survivors["heads"]) == 4 - pruned["heads_prunable"][order]
         assert survivors["bpc"] <= pruned["base_bpc"] * 1.01 + 1e-6
     assert "heads pruned before bpc rose > 1 %" in stdout
+    # Issue 22: the LM's importance is compared with its own oracle, the stop rules are stated side by side,
+    # and the causal induction check gates the top prefix-matching heads against the bottom ones.
+    rho = pruned["spearman_importance_vs_oracle"]
+    assert rho != rho or -1.0 <= rho <= 1.0  # NaN only when a ranking is constant
+    assert set(pruned["stop_rules"]) == {"copy", "lm"} and "Spearman" in stdout
+    arms = pruned["induction_check"]["arms"]
+    assert len(arms["top"]["heads"]) == 2 and set(arms["top"]["heads"]).isdisjoint(arms["bottom"]["heads"])
+    assert all(arms[a]["second_copy_loss"] > 0 for a in ("none", "top", "bottom"))

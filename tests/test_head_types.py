@@ -218,3 +218,82 @@ def test_bad_inputs_name_the_value():
         repeated_random_tokens(jax.random.key(0), 2, 3, 10, prefix=np.array([1, 12]))
     with pytest.raises(ValueError, match="batch_size=0"):
         repeated_random_tokens(jax.random.key(0), 0, 3, 10)
+
+
+# ----------------------------------------------------------------- prefix matching, copying, ICL (issue 22)
+
+
+def _causal_uniform(layers, batch, heads, t):
+    w = np.tril(np.ones((t, t))) / np.arange(1, t + 1)[:, None]
+    return jnp.asarray(np.broadcast_to(w, (layers, batch, heads, t, t)), jnp.float32)
+
+
+def test_prefix_matching_is_high_on_an_induction_pattern_and_chance_on_uniform():
+    from jax_mha.lab.head_types import prefix_matching_chance, prefix_matching_score
+
+    p, r, layers, batch, heads = 2, 5, 2, 3, 7
+    t = p + 2 * r + 1  # one trailing token after the copies
+    uniform = _causal_uniform(layers, batch, heads, t)
+    induction = np.array(uniform)
+    for q in range(p + r, p + 2 * r):  # head 4 of layer 1 reads the key after the first occurrence
+        induction[1, :, 4, q] = 0.0
+        induction[1, :, 4, q, q - r + 1] = 1.0
+    scores = np.asarray(prefix_matching_score(jnp.asarray(induction), r, p))
+    chance = prefix_matching_chance(r, p)
+    assert scores[1, 4] == pytest.approx(1.0)
+    # Every other head is uniform: exactly the chance level, mean of 1/(q+1) over the second copy.
+    assert chance == pytest.approx(np.mean([1 / (q + 1) for q in range(p + r, p + 2 * r)]))
+    np.testing.assert_allclose(np.delete(scores.ravel(), 1 * heads + 4), chance, rtol=1e-6)
+    # A previous-token head is not an induction head.
+    prev = np.zeros((1, batch, 1, t, t), np.float32)
+    prev[0, :, 0, 0, 0] = 1.0
+    for q in range(1, t):
+        prev[0, :, 0, q, q - 1] = 1.0
+    assert float(prefix_matching_score(jnp.asarray(prev), r, p)[0, 0]) == 0.0
+    with pytest.raises(ValueError, match="cannot hold"):
+        prefix_matching_score(uniform, 6, p)
+
+
+def test_copying_effect_by_hand():
+    from jax_mha.lab.head_types import copying_effect
+
+    r, v = 4, 11
+    tokens = jnp.asarray([[3, 1, 4, 5, 3, 1, 4, 5], [2, 7, 1, 8, 2, 7, 1, 8]])
+    logits = np.zeros((2, 8, v), np.float32)  # uniform everywhere: ln V nats ...
+    for t in range(r, 2 * r - 1):  # ... except a confident, right second copy
+        logits[:, t, :] = -30.0
+        logits[np.arange(2), t, np.asarray(tokens[:, t + 1])] = 30.0
+    out = copying_effect(jnp.asarray(logits), tokens, r)
+    assert float(out["first_copy_loss"]) == pytest.approx(np.log(v), rel=1e-5)
+    assert float(out["second_copy_loss"]) == pytest.approx(0.0, abs=1e-5)
+    assert float(out["copying"]) == pytest.approx(np.log(v), rel=1e-5)
+    same = copying_effect(jnp.zeros((2, 8, v)), tokens, r)  # a model that ignores context: no effect
+    assert float(same["copying"]) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_icl_score_sign():
+    from jax_mha.lab.head_types import icl_score
+
+    t = 40
+    falling = jnp.broadcast_to(3.0 - jnp.arange(t) / t, (5, t))  # the context helps
+    # Late = positions 24…39 (mean 3 - 31.5/40), early = 8…15 (mean 3 - 11.5/40): -20/40.
+    assert float(icl_score(falling)) == pytest.approx(-0.5, abs=1e-5)
+    assert float(icl_score(jnp.ones((5, t)))) == 0.0
+    with pytest.raises(ValueError, match="cannot hold"):
+        icl_score(jnp.ones((2, 20)))
+
+
+def test_frequent_and_real_span_probes():
+    from jax_mha.lab.head_types import frequent_symbols, repeated_spans, repeated_symbols
+
+    train = np.array([5, 5, 5, 2, 2, 9, 9, 9, 9, 1])
+    np.testing.assert_array_equal(frequent_symbols(train, 11, 3), [9, 5, 2])
+    rows = np.asarray(repeated_symbols(jax.random.PRNGKey(0), 7, 3, [9, 5, 2], prefix=[0]))
+    assert rows.shape == (7, 7) and np.all(rows[:, 0] == 0)
+    np.testing.assert_array_equal(rows[:, 1:4], rows[:, 4:])
+    assert all(sorted(r[1:4]) == [2, 5, 9] for r in rows)  # distinct, drawn from the frequent ones only
+    spans = repeated_spans(np.arange(100), 4, 6)
+    np.testing.assert_array_equal(spans[:, :6], spans[:, 6:])
+    np.testing.assert_array_equal(spans[-1, :6], np.arange(94, 100))
+    with pytest.raises(ValueError, match="fewer than count"):
+        frequent_symbols(train, 11, 5)

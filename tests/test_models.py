@@ -89,3 +89,61 @@ def test_generate_samples_with_temperature(params):
         generate(params, model, prompt, 3, temperature=-1.0)
     with pytest.raises(ValueError, match="max_len=13"):
         generate(params, model, prompt, 12)
+
+
+# ----------------------------------------------------------------- --head-dim (issue 22, item 3)
+
+
+def test_head_dim_sets_the_projection_widths():
+    # d_model 15, 3 heads of size 7: attention is 21 wide, not 15 (5 per head).
+    cfg = ModelConfig(vocab_size=11, max_len=13, d_model=15, num_heads=3, head_dim=7, num_layers=2, d_ff=22)
+    assert (cfg.size_per_head, cfg.attention_width) == (7, 21)
+    p = Decoder(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 13), jnp.int32))["params"]
+    for layer in ("block_0", "block_1"):
+        att = p[layer]["attention"]
+        for name in ("query", "key", "value"):
+            assert att[name]["kernel"].shape == (15, 21)
+        assert att["out"]["kernel"].shape == (21, 15)
+        assert set(p[layer]) == {"attention", "norm1", "norm2", "ffn"}  # the library block's names
+    assert ModelConfig(d_model=15, num_heads=3).attention_width == 15  # default: heads share d_model
+
+
+def test_head_dim_model_runs_and_returns_per_head_weights():
+    cfg = ModelConfig(vocab_size=11, max_len=13, d_model=10, num_heads=4, head_dim=5, num_layers=2, d_ff=14)
+    model = Decoder(cfg)
+    tokens = jnp.arange(26).reshape(2, 13) % 11
+    p = model.init(jax.random.PRNGKey(1), tokens)["params"]
+    logits, weights = model.apply({"params": p}, tokens, return_weights=True)
+    assert logits.shape == (2, 13, 11) and weights.shape == (2, 2, 4, 13, 13)
+    np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
+    # Causal: changing the last token leaves every earlier position's logits alone.
+    changed = tokens.at[:, -1].set((tokens[:, -1] + 1) % 11)
+    np.testing.assert_allclose(model.apply({"params": p}, changed)[:, :-1], logits[:, :-1], rtol=1e-5, atol=1e-6)
+
+
+def test_head_dim_frees_num_heads_from_dividing_d_model():
+    ModelConfig(d_model=10, num_heads=3, head_dim=4)  # 3 does not divide 10: fine with a head size
+    with pytest.raises(ValueError, match="not divisible"):
+        ModelConfig(d_model=10, num_heads=3)
+    with pytest.raises(ValueError, match="head_dim must be"):
+        ModelConfig(d_model=10, num_heads=2, head_dim=0)
+
+
+def test_head_dim_flag_reaches_the_ablation_config():
+    from experiments import head_ablation
+
+    args, cfg, _ = head_ablation.parse(["--task", "lm", "--preset", "tiny", "--head-dim", "3", "--heads", "1", "3"])
+    assert cfg.model.head_dim == 3 and cfg.model_for(3).attention_width == 9 and cfg.model_for(1).attention_width == 3
+    assert args.out.name.endswith("-head-dim3")
+
+
+def test_logits_and_attention_weights_equals_return_weights(params):
+    from jax_mha.lab.models import logits_and_attention_weights
+
+    model = Decoder(CONFIG)
+    tokens = (jnp.arange(3 * 13).reshape(3, 13) * 7) % 11
+    logits, weights = logits_and_attention_weights(lambda t: model.apply({"params": params}, t), tokens)
+    ref_logits, ref_weights = model.apply({"params": params}, tokens, return_weights=True)
+    np.testing.assert_allclose(logits, ref_logits, rtol=1e-6)
+    np.testing.assert_allclose(weights, ref_weights, rtol=1e-6)
+    assert weights.shape == (2, 3, 3, 13, 13)

@@ -210,7 +210,8 @@ def test_lm_task_is_a_registered_task_and_round_trips(lm_task):
 
     assert TASKS["lm"] is TextTaskConfig and lm_task.stop_metric is None  # never stops early
     data = task_to_dict(lm_task)
-    assert data == {"name": "lm", "seq_len": 7, "validation_fraction": 0.25, "text_file": lm_task.text_file}
+    assert data == {"name": "lm", "seq_len": 7, "validation_fraction": 0.25, "text_file": lm_task.text_file,
+                    "track_induction": False}
     assert task_from_dict(data) == lm_task and hash(task_from_dict(data)) == hash(lm_task)
     assert lm_task.corpus is lm_task.corpus  # loaded once, cached per config
     assert lm_task.vocab_size == len(set(LM_TEXT))
@@ -240,3 +241,69 @@ def test_lm_eval_metric_is_bits_per_character_by_hand(lm_task):
     np.testing.assert_allclose(float(got), expected, rtol=1e-6)
     uniform = lm_task.eval_metrics(None, jnp.zeros((2, 2, 3)), batch)["bpc"]
     np.testing.assert_allclose(float(uniform), math.log2(3), rtol=1e-6)
+
+
+# ----------------------------------------------------------------- n-gram baselines (issue 22)
+
+
+def test_ngram_on_iid_uniform_text_is_log2_k():
+    from jax_mha.lab.text import ngram_bpc
+
+    k = 5
+    rng = np.random.default_rng(0)
+    train, validation = rng.integers(0, k, 60_000), rng.integers(0, k, 8_000)
+    for order in (1, 2, 3):
+        # An i.i.d. uniform source has entropy log2 k at every order; the smoothed
+        # estimate may sit a little above it (finite counts), never meaningfully below.
+        assert ngram_bpc(train, validation, order, vocab_size=7) == pytest.approx(np.log2(k), abs=0.02)
+
+
+def test_ngram_on_periodic_text_needs_enough_context():
+    from jax_mha.lab.text import ngram_bpc
+
+    # After "0" comes 1 or 3, after "1" comes 2 or 0: a bigram is unsure (1 bit) at 4 of
+    # the 6 positions, a trigram's two-character context is never ambiguous.
+    period = np.array([0, 1, 2, 0, 3, 1])
+    train, validation = np.tile(period, 2_000), np.tile(period, 100)
+    uni = ngram_bpc(train, validation, 1, vocab_size=4)
+    bi = ngram_bpc(train, validation, 2, vocab_size=4)
+    tri = ngram_bpc(train, validation, 3, vocab_size=4)
+    frequencies = np.bincount(period, minlength=4) / period.size
+    assert uni == pytest.approx(-(frequencies * np.log2(frequencies)).sum(), abs=0.01)
+    assert bi == pytest.approx(4 / 6, abs=0.01)
+    assert tri < 0.01
+
+
+def test_ngram_unseen_context_falls_back_and_rejects_bad_input():
+    from jax_mha.lab.text import ngram_bpc
+
+    # Validation "3 3": context 3 never appears in training, so the bigram equals the unigram.
+    train, validation = np.array([0, 1, 2, 0, 1, 2, 3]), np.array([3, 3])
+    assert ngram_bpc(train, validation, 2, 4) == pytest.approx(ngram_bpc(train, validation, 1, 4))
+    with pytest.raises(ValueError, match="order"):
+        ngram_bpc(train, validation, 0, 4)
+    with pytest.raises(ValueError, match=r"ids in \[0, 3\)"):
+        ngram_bpc(train, validation, 1, 3)
+
+
+def test_induction_tracking_at_every_evaluation():
+    import dataclasses
+
+    from jax_mha.lab.models import ModelConfig
+    from jax_mha.lab.train import TrainConfig, train_seeds
+
+    task = TextTaskConfig(seq_len=32, track_induction=True)
+    model = ModelConfig(vocab_size=task.vocab_size, max_len=32, d_model=8, num_heads=2, num_layers=2, d_ff=16)
+    train = TrainConfig(batch_size=4, num_steps=20, warmup_steps=2, steps_per_call=10, eval_every=10, eval_size=8,
+                        early_stop=False)
+    ev = train_seeds(model, task, train, [0, 1]).evals
+    assert ev["prefix_matching_frequent"].shape == (2, 2, 2, 2)  # (seeds, evaluations, layers, heads)
+    assert ev["prefix_matching_spans"].shape == (2, 2, 2, 2)
+    for name in ("icl_score", "copying_frequent", "copying_spans", "second_copy_loss_spans"):
+        assert ev[name].shape == (2, 2) and np.all(np.isfinite(ev[name]))
+    # An untrained model attends almost uniformly: its prefix matching sits near chance.
+    chance = float(ev["prefix_matching_chance"][0, 0])
+    assert np.all(np.abs(ev["prefix_matching_spans"] - chance) < 0.5 * chance + 0.05)
+    plain = dataclasses.replace(task, track_induction=False)
+    assert "icl_score" not in plain.eval_metrics(None, jnp.zeros((1, 32, task.vocab_size)),
+                                                 plain.eval_batch(None, 1))

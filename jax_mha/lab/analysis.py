@@ -530,3 +530,76 @@ def model_head_scores(
     text_weights = attention_weights(params, model, text_inputs)  # (L, B, H, T, T)
     probe_weights = attention_weights(params, model, probe)  # (L, B', H, 2R, 2R)
     return head_types.head_scores(text_weights, probe_weights, probe)
+
+
+# ----------------------------------------------------------------- oracle in loss, and the causal induction check
+
+
+def ablate_each_head_loss(
+    params, model: Decoder, batch: dict, *, gates: jax.Array | None = None, chunk_size: int | None = None,
+) -> jax.Array:
+    """The oracle for a language model: the rise in scored loss (nats) when each single
+    head is removed, `(num_layers, H)` (the loss-side twin of `ablate_each_head`)."""
+    _, rises = _ablation(params, model, batch, _gates_or_ones(model, gates), chunk_size)
+    return rises
+
+
+def top_heads(scores, k: int) -> list[tuple[int, int]]:
+    """The `k` (layer, head) pairs of highest score, highest first."""
+    scores = np.asarray(scores)
+    flat = np.argsort(-scores.ravel(), kind="stable")[:k]
+    return [tuple(int(i) for i in np.unravel_index(f, scores.shape)) for f in flat]
+
+
+def gates_without(shape: tuple[int, int], heads) -> np.ndarray:
+    """All-ones float32 gates `shape` with the listed `(layer, head)` pairs at 0."""
+    gates = np.ones(shape, np.float32)
+    for layer, head in heads:
+        gates[layer, head] = 0.0
+    return gates
+
+
+def induction_gating_check(
+    params, model: Decoder, probe: jax.Array, repeat_length: int, text_inputs: jax.Array, scores, *, k: int = 2,
+    early: tuple[int, int] | None = None, late_from_end: int | None = None,
+) -> dict:
+    """Olsson et al.'s causal test: gate the `k` heads of highest prefix-matching score
+    and see what breaks, against gating the `k` heads of lowest score (a control that
+    removes as many heads).
+
+    If those heads do induction, gating them should raise the second-copy loss of the
+    repeated probe and the loss at late positions of real text (where earlier context
+    can be copied), and leave the early positions (little context) about where they were.
+
+    Args:
+      params, model: the trained decoder.
+      probe: int `(B, 2R)` repeated rows (`head_types.repeated_spans` or `repeated_symbols`).
+      repeat_length: R.
+      text_inputs: int `(B', T)` held-out text windows (their next characters are the
+        targets: the last position is not scored).
+      scores: `(num_layers, H)` prefix-matching scores, measured on the probe.
+      k: heads gated in each arm.
+      early, late_from_end: the ICL ranges (default as `head_types.icl_score` scaled to T).
+
+    Returns:
+      dict with, for arms "none", "top" and "bottom": `second_copy_loss`,
+      `first_copy_loss`, `early_loss`, `late_loss` (nats), and `heads` of each arm.
+    """
+    t = text_inputs.shape[1]
+    early = early or (max(1, t // 16), max(2, t // 8))
+    late_from_end = late_from_end or max(1, t // 8)
+    shape = gate_shape(model)
+    order = top_heads(scores, int(np.prod(shape)))
+    arms = {"none": [], "top": order[:k], "bottom": order[::-1][:k]}
+    out = {}
+    for name, heads in arms.items():
+        gates = jnp.asarray(gates_without(shape, heads))
+        probe_logits = model.apply({"params": params}, probe, head_mask=gates)
+        copying = head_types.copying_effect(probe_logits, probe, repeat_length)
+        nll = head_types.token_losses(model.apply({"params": params}, text_inputs, head_mask=gates), text_inputs)
+        tt = nll.shape[1]  # T - 1 scored positions
+        out[name] = {"heads": heads, "second_copy_loss": float(copying["second_copy_loss"]),
+                     "first_copy_loss": float(copying["first_copy_loss"]),
+                     "early_loss": float(nll[:, early[0] : early[1]].mean()),
+                     "late_loss": float(nll[:, tt - late_from_end :].mean())}
+    return out

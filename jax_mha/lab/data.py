@@ -120,7 +120,162 @@ class CopyTaskConfig:
         return {"exact_accuracy": exact.mean()}
 
 
-TASKS: dict[str, type] = {CopyTaskConfig.name: CopyTaskConfig, TextTaskConfig.name: TextTaskConfig}
+@dataclasses.dataclass(frozen=True)
+class RecallTaskConfig:
+    """Multi-query associative recall with two-token keys (Arora et al. 2023, "Zoology").
+
+    A sequence is `BOS (a1 b1 v1) … (aN bN vN) SEP (a b v)_q1 … (a b v)_qQ`: N pairs,
+    each a two-token key `(a, b)` (both from one alphabet of `num_key_symbols`, so
+    `(a, b)` and `(b, a)` are different keys) followed by its value `v`, then Q of
+    those keys again, each followed by its value. The loss is scored where the input is
+    a query's `b` and the target its `v`: the value of the context pair whose key is the
+    two tokens just read. Keys are distinct within a row; values are independent.
+
+    Why one head is not enough: to answer, the query position must find the context
+    position whose *two* preceding tokens match its own two, by content. In a small
+    decoder that means gathering `(a_j, b_j)` into the value's position (offsets -1 and
+    -2) and `a` into the query's (offset -1), then one content match: a single head
+    averaging offsets -1 and -2 sums the two embeddings and cannot tell `(a, b)` from
+    `(b, a)`, so half of the keys become ambiguous. The copy task, by contrast, is one
+    fixed offset that one head expresses exactly.
+    """
+
+    name: ClassVar[str] = "mqar"
+    stop_metric: ClassVar[str | None] = None  # a fixed step budget; the area under the loss curve is the measure
+
+    num_pairs: int = 8  # N key-value pairs in context
+    num_queries: int = 8  # Q <= N distinct keys asked back, in random order
+    num_key_symbols: int = 6  # K: K*K = 36 possible keys, 8 of them per row
+    num_values: int = 8  # V: chance accuracy 1/V
+
+    def __post_init__(self):
+        for field in ("num_pairs", "num_queries", "num_key_symbols", "num_values"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{field} must be an int >= 1, got {value!r}")
+        if self.num_pairs > self.num_key_symbols**2:
+            raise ValueError(f"num_pairs={self.num_pairs} distinct keys need num_key_symbols**2 >= num_pairs, "
+                             f"got {self.num_key_symbols}**2 = {self.num_key_symbols**2}")
+        if self.num_queries > self.num_pairs:
+            raise ValueError(f"num_queries={self.num_queries} must be <= num_pairs={self.num_pairs}")
+
+    @property
+    def first_value(self) -> int:
+        """The id of value 0: keys are FIRST_SYMBOL … FIRST_SYMBOL + K - 1, values follow."""
+        return FIRST_SYMBOL + self.num_key_symbols
+
+    @property
+    def vocab_size(self) -> int:
+        return self.first_value + self.num_values
+
+    @property
+    def seq_len(self) -> int:
+        """T = 3N + 3Q + 1: the `3N + 3Q + 2` tokens minus the last."""
+        return 3 * (self.num_pairs + self.num_queries) + 1
+
+    def batch(self, key: jax.Array, batch_size: int) -> Batch:
+        """`make_recall_batch(key, self, batch_size)`."""
+        return make_recall_batch(key, self, batch_size)
+
+    def eval_batch(self, key: jax.Array, batch_size: int) -> Batch:
+        """Held-out rows: the same distribution from a key training never uses."""
+        return make_recall_batch(key, self, batch_size)
+
+    def eval_metrics(self, decoding, logits: jax.Array, batch: Batch) -> dict[str, jax.Array]:
+        """`recall_accuracy`: argmax right on a query's value (teacher forcing is exact
+        here: no target depends on an earlier prediction) and `query_exact`: every
+        query of the row right."""
+        del decoding
+        right = (jnp.argmax(logits, -1) == batch["targets"]) | ~batch["scored"]
+        count = jnp.maximum(batch["scored"].sum(), 1)
+        return {"recall_accuracy": (right & batch["scored"]).sum() / count,
+                "query_exact": jnp.all(right, axis=-1).mean()}
+
+
+def make_recall_batch(key: jax.Array, config: RecallTaskConfig, batch_size: int) -> Batch:
+    """Samples a batch of `RecallTaskConfig`; jittable (config and batch_size static).
+
+    Returns:
+      dict with int32 `inputs (B, T)`, int32 `targets (B, T)` (the next tokens) and bool
+      `scored (B, T)`: True exactly where the input is a query's second key token.
+
+    Raises:
+      ValueError: if batch_size < 1.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    n, q, k = config.num_pairs, config.num_queries, config.num_key_symbols
+    key_key, value_key, query_key = jax.random.split(key, 3)
+    # The first N of a random permutation of the K*K keys: distinct keys per row.
+    pair = jnp.argsort(jax.random.uniform(key_key, (batch_size, k * k)), axis=1)[:, :n]  # (B, N)
+    a, b = FIRST_SYMBOL + pair // k, FIRST_SYMBOL + pair % k
+    v = jax.random.randint(value_key, (batch_size, n), 0, config.num_values) + config.first_value
+    asked = jnp.argsort(jax.random.uniform(query_key, (batch_size, n)), axis=1)[:, :q]  # (B, Q) pair indices
+    take = lambda x: jnp.take_along_axis(x, asked, axis=1)
+    triples = lambda *xs: jnp.stack(xs, axis=-1).reshape(batch_size, -1)  # (B, 3·count): a b v a b v …
+    column = lambda token: jnp.full((batch_size, 1), token, jnp.int32)
+    tokens = jnp.concatenate([column(BOS), triples(a, b, v), column(SEP), triples(take(a), take(b), take(v))],
+                             axis=1).astype(jnp.int32)  # (B, 3N + 3Q + 2)
+    pos = jnp.arange(tokens.shape[1])
+    query_value = (pos >= 3 * n + 2) & ((pos - (3 * n + 2)) % 3 == 2)  # token positions of the queries' values
+    scored = jnp.broadcast_to(query_value[1:], (batch_size, tokens.shape[1] - 1))
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "scored": scored}
+
+
+@dataclasses.dataclass(frozen=True)
+class RepeatTaskConfig:
+    """Repeated random sequences of varying length: the induction heads' positive control.
+
+    A row is R distinct random symbols, the same R again, then fresh random symbols up
+    to the window, with R drawn per row from [min_repeat, max_repeat]. The loss is
+    scored on the second copy (from its second token on). Because R varies, no fixed
+    offset finds the answer: the model has to look up where the current token occurred
+    before and read what came next, which is what an induction head does (Olsson et al.
+    2022). A model trained on it must score high on the prefix-matching probe; if it
+    does not, the probe is broken.
+    """
+
+    name: ClassVar[str] = "repeat"
+    stop_metric: ClassVar[str | None] = None
+
+    seq_len: int = 32  # T, tokens the model reads
+    min_repeat: int = 4
+    max_repeat: int = 16  # at most T // 2
+    num_symbols: int = 24  # at least max_repeat (distinct symbols per copy)
+
+    def __post_init__(self):
+        if not 2 <= self.min_repeat <= self.max_repeat <= min(self.seq_len // 2, self.num_symbols):
+            raise ValueError(f"need 2 <= min_repeat <= max_repeat <= min(seq_len // 2, num_symbols), got "
+                             f"{self.min_repeat}, {self.max_repeat}, seq_len={self.seq_len}, num_symbols={self.num_symbols}")
+
+    @property
+    def vocab_size(self) -> int:
+        return FIRST_SYMBOL + self.num_symbols
+
+    def batch(self, key: jax.Array, batch_size: int) -> Batch:
+        """Rows as described above; jittable. Scored: targets x_2 … x_R of the second copy."""
+        order_key, length_key, fill_key = jax.random.split(key, 3)
+        seq = jnp.argsort(jax.random.uniform(order_key, (batch_size, self.num_symbols)), axis=1)  # distinct
+        r = jax.random.randint(length_key, (batch_size, 1), self.min_repeat, self.max_repeat + 1)
+        fill = jax.random.randint(fill_key, (batch_size, self.seq_len + 1), 0, self.num_symbols)
+        pos = jnp.arange(self.seq_len + 1)[None, :]
+        copy_index = jnp.clip(jnp.where(pos < r, pos, pos - r), 0, self.num_symbols - 1)
+        repeated = jnp.take_along_axis(seq, copy_index, axis=1)
+        tokens = (FIRST_SYMBOL + jnp.where(pos < 2 * r, repeated, fill)).astype(jnp.int32)
+        target_pos = pos[:, 1:]  # target t is token t + 1
+        scored = (target_pos > r) & (target_pos < 2 * r)
+        return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "scored": scored}
+
+    def eval_batch(self, key: jax.Array, batch_size: int) -> Batch:
+        return self.batch(key, batch_size)
+
+    def eval_metrics(self, decoding, logits: jax.Array, batch: Batch) -> dict[str, jax.Array]:
+        del decoding, logits, batch  # token accuracy on the scored second copy says it all
+        return {}
+
+
+TASKS: dict[str, type] = {CopyTaskConfig.name: CopyTaskConfig, TextTaskConfig.name: TextTaskConfig,
+                          RecallTaskConfig.name: RecallTaskConfig, RepeatTaskConfig.name: RepeatTaskConfig}
 LMTaskConfig = TextTaskConfig  # the language-model task under its task name
 
 

@@ -366,3 +366,162 @@ def count_head_types(labels: np.ndarray) -> dict[str, int]:
     if unknown:
         raise ValueError(f"unknown head types {unknown}; known: {list(HEAD_TYPES)}")
     return {name: labels.count(name) for name in HEAD_TYPES}
+
+
+# ----------------------------------------------------------------- induction, copying, in-context learning (issue 22)
+#
+# The probe of `induction_score` drew its tokens from the whole vocabulary; on the
+# reference corpus 29 of 103 characters occur fewer than 100 times in training, so
+# their embeddings are barely trained and a real induction head can fail to show.
+# These scores run on two probes that avoid that: repeated sequences of *frequent*
+# characters, and repeated *real* held-out spans; each is a row `x x` (R tokens,
+# twice), optionally after a prefix. They also measure what attention should cause
+# (the copying effect: lower loss on the second copy) and the in-context-learning
+# score of Olsson et al. 2022 on ordinary held-out text.
+
+ICL_EARLY = (8, 16)  # query positions of the "early" loss: a few characters of context
+ICL_LATE_FROM_END = 16  # the "late" loss: the last 16 positions of a window
+
+
+def frequent_symbols(train_ids, vocab_size: int, count: int) -> np.ndarray:
+    """The `count` most frequent ids of `train_ids` (ties by id), int32 `(count,)`.
+
+    Raises:
+      ValueError: if fewer than `count` distinct ids occur.
+    """
+    counts = np.bincount(np.asarray(train_ids).ravel(), minlength=vocab_size)
+    if int((counts > 0).sum()) < count:
+        raise ValueError(f"only {int((counts > 0).sum())} distinct ids occur, fewer than count={count}")
+    return np.argsort(-counts, kind="stable")[:count].astype(np.int32)
+
+
+def repeated_symbols(key: jax.Array, batch_size: int, repeat_length: int, symbols, prefix=None) -> jax.Array:
+    """`prefix`, then R distinct tokens drawn from `symbols`, then the same R again.
+
+    Args:
+      key: PRNG key.
+      batch_size: B.
+      repeat_length: R <= len(symbols).
+      symbols: int `(S,)`, the ids to draw from (e.g. `frequent_symbols`).
+      prefix: optional int `(P,)` before every row.
+
+    Returns:
+      int32 `(B, P + 2R)`.
+
+    Raises:
+      ValueError: if R is not in [2, len(symbols)].
+    """
+    symbols = jnp.asarray(symbols, jnp.int32)
+    if not 2 <= repeat_length <= symbols.shape[0]:
+        raise ValueError(f"repeat_length={repeat_length} must be in [2, len(symbols)={symbols.shape[0]}]")
+    order = jnp.argsort(jax.random.uniform(key, (batch_size, symbols.shape[0])), axis=1)[:, :repeat_length]
+    seq = symbols[order]  # (B, R)
+    prefix = jnp.zeros((0,), jnp.int32) if prefix is None else jnp.asarray(prefix, jnp.int32)
+    head = jnp.broadcast_to(prefix, (batch_size, prefix.shape[0]))
+    return jnp.concatenate([head, seq, seq], axis=1)
+
+
+def repeated_spans(tokens, batch_size: int, repeat_length: int) -> np.ndarray:
+    """Real text twice: `batch_size` spans of R characters at evenly spaced offsets of
+    `tokens` (e.g. the validation split), each followed by itself. int32 `(B, 2R)`.
+
+    Raises:
+      ValueError: if `tokens` is shorter than R.
+    """
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or tokens.shape[0] < repeat_length or repeat_length < 2:
+        raise ValueError(f"need 1-D tokens of at least R={repeat_length} >= 2 ids, got shape {tokens.shape}")
+    starts = np.linspace(0, tokens.shape[0] - repeat_length, batch_size).round().astype(np.int64)
+    spans = np.stack([tokens[s : s + repeat_length] for s in starts]).astype(np.int32)
+    return np.concatenate([spans, spans], axis=1)
+
+
+def _repeat_queries(t: int, repeat_length: int, prefix_length: int) -> tuple[jax.Array, jax.Array]:
+    """For a row `prefix x x` of length t: bool `(T,)` second-copy queries and int32
+    `(T,)` the key each should read, the position after its token's first occurrence."""
+    pos = jnp.arange(t)
+    second = (pos >= prefix_length + repeat_length) & (pos < prefix_length + 2 * repeat_length)
+    return second, jnp.where(second, pos - repeat_length + 1, 0).astype(jnp.int32)
+
+
+def prefix_matching_score(weights: jax.Array, repeat_length: int, prefix_length: int = 0) -> jax.Array:
+    """Mean weight of each head, over second-copy queries, on the key right after the
+    query's token in the first copy (Olsson et al. 2022's prefix matching).
+
+    Unlike `induction_score` the target is fixed by position, so it holds on real
+    spans whose characters repeat inside a copy.
+
+    Args:
+      weights: `(num_layers, B, H, T, T)` on rows `prefix x x` (`T >= P + 2R`).
+      repeat_length: R.
+      prefix_length: P.
+
+    Returns:
+      float32 `(num_layers, H)` in [0, 1].
+
+    Raises:
+      ValueError: for bad weights, or rows shorter than P + 2R.
+    """
+    l, b, h, t = _check_weights(weights)
+    if prefix_length + 2 * repeat_length > t or repeat_length < 2:
+        raise ValueError(f"rows of T={t} cannot hold prefix {prefix_length} + 2 x {repeat_length}")
+    second, target = _repeat_queries(t, repeat_length, prefix_length)
+    index = jnp.broadcast_to(target[None, None, None, :, None], (l, b, h, t, 1))
+    values = jnp.take_along_axis(weights, index, axis=-1)[..., 0]  # (L, B, H, T)
+    return _query_mean(values, jnp.broadcast_to(second, (b, t)), "prefix-matching score")
+
+
+def prefix_matching_chance(repeat_length: int, prefix_length: int = 0) -> float:
+    """The score uniform causal attention gets: the mean of 1 / (t + 1) over the
+    second-copy queries t; a head is 'above chance' by its ratio to this."""
+    t = np.arange(prefix_length + repeat_length, prefix_length + 2 * repeat_length)
+    return float(np.mean(1.0 / (t + 1)))
+
+
+def token_losses(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Next-token cross-entropy (nats) at every position but the last: `(B, T - 1)`."""
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+
+def copying_effect(logits: jax.Array, tokens: jax.Array, repeat_length: int, prefix_length: int = 0) -> dict:
+    """Mean loss predicting the first copy vs the second copy of rows `prefix x x`.
+
+    The first token of each copy is excluded (nothing can predict it). A model that
+    copies has a much lower second-copy loss; `copying = first - second` (nats) is
+    positive by that much.
+
+    Args:
+      logits: `(B, T, V)` on `tokens`; tokens: int `(B, T)`.
+
+    Returns:
+      dict of scalars `first_copy_loss`, `second_copy_loss`, `copying`.
+    """
+    nll = token_losses(logits, tokens)  # position t predicts token t + 1
+    pos = jnp.arange(nll.shape[1])
+    p, r = prefix_length, repeat_length
+    first = (pos >= p) & (pos < p + r - 1)  # predicting x_2 … x_R of the first copy
+    second = (pos >= p + r) & (pos < p + 2 * r - 1)  # … of the second copy
+    mean = lambda m: jnp.sum(nll * m[None, :]) / (nll.shape[0] * jnp.sum(m))
+    f, s = mean(first), mean(second)
+    return {"first_copy_loss": f, "second_copy_loss": s, "copying": f - s}
+
+
+def icl_score(nll: jax.Array, early: tuple[int, int] = ICL_EARLY, late_from_end: int = ICL_LATE_FROM_END) -> jax.Array:
+    """Olsson et al. 2022's in-context-learning score: mean loss at late positions minus
+    mean loss at early positions of held-out text (nats; negative = the context helps).
+
+    Their version compares token 500 with token 50; windows here are shorter, so the
+    early positions are `early` (default 8 … 15) and the late ones the last
+    `late_from_end` of the window.
+
+    Args:
+      nll: `(B, T)` per-position losses (e.g. `token_losses` or the eval cross-entropy).
+
+    Raises:
+      ValueError: if the window is too short for the two ranges not to overlap.
+    """
+    t = nll.shape[-1]
+    if not 0 <= early[0] < early[1] <= t - late_from_end:
+        raise ValueError(f"a window of {t} positions cannot hold early {early} before the last {late_from_end}")
+    return nll[:, t - late_from_end :].mean() - nll[:, early[0] : early[1]].mean()

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mha.functional import resolve_implementation
-from jax_mha.modules import TransformerBlock
+from jax_mha.modules import FeedForward, MultiHeadAttention, TransformerBlock
 
 POSITIONAL = ("learned", "sinusoidal")
 
@@ -31,6 +31,10 @@ class ModelConfig:
     max_len: int = 64  # longest input the positional table covers (the copy task reads 2L + 2)
     d_model: int = 256  # fixed across the head-count sweep (seed 004, E12.2)
     num_heads: int = 8  # the variable of the sweep; head dim = d_model // num_heads
+    # None: heads share d_model (size d_model // num_heads, the Vaswani sweep). An int D:
+    # every head has size D and attention projects to num_heads * D, whatever d_model
+    # is, which separates "more heads" from "smaller heads" (Bhojanapalli et al. 2020).
+    head_dim: int | None = None
     num_layers: int = 2  # one layer can copy via absolute positions; two leave room for an induction circuit
     d_ff: int = 1024  # 4 * d_model, as in Vaswani et al.
     dropout_rate: float = 0.0  # the copy task has infinite fresh data: nothing to regularise
@@ -50,12 +54,66 @@ class ModelConfig:
             raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate}")
         if self.positional not in POSITIONAL:
             raise ValueError(f"positional must be one of {POSITIONAL}, got {self.positional!r}")
-        if self.d_model % self.num_heads:
+        if self.head_dim is not None and (isinstance(self.head_dim, bool) or not isinstance(self.head_dim, (int, np.integer))
+                                          or self.head_dim < 1):
+            raise ValueError(f"head_dim must be None or an int >= 1, got {self.head_dim!r}")
+        if self.head_dim is None and self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if self.positional == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
         probe = jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32)
         resolve_implementation(probe, probe, probe, implementation=self.implementation)  # unknown name: ValueError
+
+
+    @property
+    def size_per_head(self) -> int:
+        """D, the size of one head: `head_dim`, or `d_model // num_heads` when it is None."""
+        return self.d_model // self.num_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def attention_width(self) -> int:
+        """H * D, the width of the query/key/value projections (and the output's input)."""
+        return self.num_heads * self.size_per_head
+
+
+class HeadSizeBlock(nn.Module):
+    """`TransformerBlock` with heads of a chosen size: attention projects d_model to
+    `num_heads * head_dim` and back (`MultiHeadAttention(d_model=H*D,
+    out_features=d_model)`); the same parameter names, so the analyses read it alike."""
+
+    num_heads: int
+    head_dim: int
+    d_ff: int
+    dropout_rate: float = 0.0
+    pre_norm: bool = True
+    implementation: str = "xla"
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x, *, is_causal: bool, head_mask=None, deterministic: bool = True,
+                 return_weights: bool = False):
+        """`(B…, N, d_model) -> (B…, N, d_model)`, or with the weights `(B…, H, N, N)`."""
+        mha = MultiHeadAttention(num_heads=self.num_heads, d_model=self.num_heads * self.head_dim,
+                                 out_features=x.shape[-1], implementation=self.implementation,
+                                 decode=self.decode, name="attention")
+        norm1, norm2 = nn.LayerNorm(name="norm1"), nn.LayerNorm(name="norm2")
+        ffn = FeedForward(self.d_ff, self.dropout_rate, name="ffn")
+        drop = lambda y: nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+
+        def attend(y):
+            out = mha(y, is_causal=is_causal, head_mask=head_mask, deterministic=deterministic,
+                      return_weights=return_weights)
+            return out if return_weights else (out, None)
+
+        if self.pre_norm:
+            a, weights = attend(norm1(x))
+            x = x + drop(a)
+            x = x + drop(ffn(norm2(x), deterministic=deterministic))
+        else:
+            a, weights = attend(x)
+            x = norm1(x + drop(a))
+            x = norm2(x + drop(ffn(x, deterministic=deterministic)))
+        return (x, weights) if return_weights else x
 
 
 def sinusoidal_positions(length: int, d_model: int) -> jax.Array:
@@ -147,11 +205,18 @@ class Decoder(nn.Module):
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         all_weights = []
         for layer in range(cfg.num_layers):
-            block = TransformerBlock(
-                num_heads=cfg.num_heads, d_ff=cfg.d_ff, dropout_rate=cfg.dropout_rate,
-                pre_norm=cfg.pre_norm, implementation=cfg.implementation, decode=self.decode,
-                name=f"block_{layer}",
-            )
+            if cfg.head_dim is None:
+                block = TransformerBlock(
+                    num_heads=cfg.num_heads, d_ff=cfg.d_ff, dropout_rate=cfg.dropout_rate,
+                    pre_norm=cfg.pre_norm, implementation=cfg.implementation, decode=self.decode,
+                    name=f"block_{layer}",
+                )
+            else:  # the library block takes its widths from d_model; this one from H * D
+                block = HeadSizeBlock(
+                    num_heads=cfg.num_heads, head_dim=cfg.head_dim, d_ff=cfg.d_ff, dropout_rate=cfg.dropout_rate,
+                    pre_norm=cfg.pre_norm, implementation=cfg.implementation, decode=self.decode,
+                    name=f"block_{layer}",
+                )
             out = block(
                 x, is_causal=True, head_mask=None if head_mask is None else head_mask[layer],
                 deterministic=deterministic, return_weights=return_weights,
@@ -174,6 +239,35 @@ class Decoder(nn.Module):
         if initialized:
             position.value = start + length
         return jax.lax.dynamic_slice_in_dim(table, start, length, axis=0)  # (T, d)
+
+
+def logits_and_attention_weights(logits_fn, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Runs `logits_fn(tokens)` and also returns every attention layer's weights.
+
+    For code that only holds a logits function (a task's `eval_metrics` gets the
+    trainer's `Decoding.logits`): flax's `intercept_methods` asks each
+    `MultiHeadAttention` call for its weights on the way, so the probe needs no second
+    model and the trainer no change. Layers come back in call order.
+
+    Args:
+      logits_fn: int `(B, T)` -> float `(B, T, V)`, a `Decoder` applied to its params.
+      tokens: int `(B, T)`.
+
+    Returns:
+      `(logits (B, T, V), weights (num_layers, B, H, T, T))`.
+    """
+    captured = []
+
+    def interceptor(next_fun, args, kwargs, context):
+        if not (isinstance(context.module, MultiHeadAttention) and context.method_name == "__call__"):
+            return next_fun(*args, **kwargs)
+        out, weights = next_fun(*args, **{**kwargs, "return_weights": True})
+        captured.append(weights)
+        return (out, weights) if kwargs.get("return_weights") else out
+
+    with nn.intercept_methods(interceptor):
+        logits = logits_fn(tokens)
+    return logits, jnp.stack(captured)
 
 
 # The copy task's name for the same network (its checkpoints and analyses use it).

@@ -64,6 +64,9 @@ class TextTaskConfig:
     seq_len: int = 128  # T, characters per window: ~2.5 lines of the reference (52 characters a line)
     validation_fraction: float = 0.1  # share of characters held out: 46,437 of the reference (22 of its 79 topics)
     text_file: str | None = None  # None: the Python Language Reference; else a UTF-8 file (--text FILE)
+    # Also measure, at every evaluation, the induction evidence of `induction_metrics`
+    # (prefix matching, copying, ICL score), so a phase change shows in the curves.
+    track_induction: bool = False
 
     def __post_init__(self):
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, numbers.Integral):
@@ -120,8 +123,64 @@ class TextTaskConfig:
           decoding: unused (bits per character need no decoding).
           logits: float `(B, T, V)`; batch: `targets (B, T)`, `scored (B, T)`.
         """
-        del decoding
-        return {"bpc": scored_nats(logits, batch) / math.log(2.0)}
+        metrics = {"bpc": scored_nats(logits, batch) / math.log(2.0)}
+        if self.track_induction:
+            metrics.update(induction_metrics(self, getattr(decoding, "logits", decoding), logits, batch))
+        return metrics
+
+
+PROBE_ROWS = 32  # rows of each induction probe at every evaluation
+PROBE_KEY = 2**31 - 3  # the frequent-character probe's key: fixed, apart from training and the eval windows
+
+
+def probe_repeat_length(seq_len: int) -> int:
+    """R of the induction probes: half the window, at most 32 (so that 2R distinct
+    frequent characters exist in a 103-symbol corpus)."""
+    return max(2, min(seq_len // 2, 32))
+
+
+@functools.lru_cache(maxsize=8)
+def induction_probes(config: TextTaskConfig) -> dict[str, np.ndarray]:
+    """The two probes, int32 `(PROBE_ROWS, 2R)` each: `frequent` (R distinct characters
+    drawn from the 2R most frequent training characters, then again) and `spans`
+    (repeated real validation spans). Deterministic for a config, built once."""
+    from jax_mha.lab import head_types  # here: head_types imports nothing of text, but keep text cheap to import
+
+    corpus, r = config.corpus, probe_repeat_length(config.seq_len)
+    pool = head_types.frequent_symbols(corpus.train, corpus.vocab_size, min(2 * r, int((np.bincount(corpus.train) > 0).sum())))
+    # NumPy, not jax.random: this runs while the trainer's evaluation is being traced.
+    rng = np.random.default_rng(PROBE_KEY)
+    seq = np.stack([rng.permutation(pool)[: min(r, pool.size)] for _ in range(PROBE_ROWS)]).astype(np.int32)
+    return {"frequent": np.concatenate([seq, seq], axis=1),
+            "spans": head_types.repeated_spans(corpus.validation, PROBE_ROWS, r)}
+
+
+def induction_metrics(config: TextTaskConfig, logits_fn, logits: jax.Array, batch: dict[str, jax.Array]) -> dict:
+    """Induction evidence of a model, for `eval_metrics`; jittable.
+
+    Returns:
+      `icl_score` (nats, late minus early positions of the eval windows; negative =
+      the context helps), and for each probe P in (frequent, spans):
+      `prefix_matching_P` `(num_layers, H)`, `copying_P` (first- minus second-copy
+      loss, nats), `second_copy_loss_P`; plus `prefix_matching_chance` (uniform attention's score).
+    """
+    from jax_mha.lab import head_types
+    from jax_mha.lab.models import logits_and_attention_weights
+
+    t = logits.shape[1]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]  # (B, T)
+    early = (max(1, t // 16), max(2, t // 8))
+    out = {"icl_score": head_types.icl_score(nll, early, max(1, t // 8))}
+    for name, probe in induction_probes(config).items():
+        r = probe.shape[1] // 2
+        probe_logits, weights = logits_and_attention_weights(logits_fn, jnp.asarray(probe))
+        copying = head_types.copying_effect(probe_logits, jnp.asarray(probe), r)
+        out[f"prefix_matching_{name}"] = head_types.prefix_matching_score(weights, r)
+        out[f"copying_{name}"] = copying["copying"]
+        out[f"second_copy_loss_{name}"] = copying["second_copy_loss"]
+    out["prefix_matching_chance"] = jnp.float32(head_types.prefix_matching_chance(probe_repeat_length(t)))
+    return out
 
 
 def scored_nats(logits: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
@@ -386,3 +445,74 @@ def bits_per_character(loss_nats, num_scored=None):
             raise ValueError(f"num_scored={np.asarray(counts).tolist()} must sum to more than 0")
         loss = jnp.sum(loss * counts) / jnp.sum(counts)
     return loss / math.log(2.0)
+
+
+# ----------------------------------------------------------------- n-gram baselines
+
+
+def _context_keys(tokens: np.ndarray, end: np.ndarray, length: int, vocab_size: int) -> np.ndarray:
+    """int64 key of the `length` tokens before each index in `end` (base-`vocab_size` digits)."""
+    keys = np.zeros(end.shape, np.int64)
+    for j in range(length, 0, -1):
+        keys = keys * vocab_size + tokens[end - j]
+    return keys
+
+
+def ngram_bpc(train, validation, order: int, vocab_size: int) -> float:
+    """Bits per character of an interpolated n-gram model fitted on `train`, scored on `validation`.
+
+    Witten-Bell interpolation (Witten & Bell 1991; Chen & Goodman 1998, §2.5), which
+    has no parameters to tune on held-out text: with c(h, w) the count of character w
+    after context h (the n - 1 characters before it), c(h) = Σ_w c(h, w) and T(h) the
+    number of distinct characters seen after h,
+
+        p_n(w | h) = (c(h, w) + T(h) · p_{n-1}(w | h')) / (c(h) + T(h)),
+
+    h' being h without its oldest character, p_0 uniform over the vocabulary, and
+    p_n = p_{n-1} for a context never seen in training (or, at the first n - 1
+    validation characters, not yet available). Every character from the second on
+    is scored, as the models score it.
+
+    Args:
+      train, validation: int `(N,)` ids in `[0, vocab_size)`.
+      order: n >= 1 (1: unigram, 2: bigram, ...).
+      vocab_size: V.
+
+    Returns:
+      mean -log2 p_n over validation characters 1 … M - 1.
+
+    Raises:
+      ValueError: for order < 1, ids outside the vocabulary, or `vocab_size ** order`
+        too large for int64 keys.
+    """
+    train, validation = np.asarray(train, np.int64), np.asarray(validation, np.int64)
+    if isinstance(order, bool) or not isinstance(order, numbers.Integral) or order < 1:
+        raise ValueError(f"order must be an int >= 1, got {order!r}")
+    if order * math.log2(max(vocab_size, 2)) > 62:
+        raise ValueError(f"vocab_size={vocab_size} ** order={order} does not fit int64 keys")
+    for name, ids in (("train", train), ("validation", validation)):
+        if ids.ndim != 1 or ids.size < 2 or ids.min() < 0 or ids.max() >= vocab_size:
+            raise ValueError(f"{name} must be 1-D ids in [0, {vocab_size}) with at least 2 characters")
+    targets = np.arange(1, validation.size)  # validation positions scored
+    prob = np.full(targets.shape, 1.0 / vocab_size)  # p_0
+    for context in range(order):  # context length n - 1 = 0 … order - 1
+        ends = np.arange(context, train.size)
+        ctx = _context_keys(train, ends, context, vocab_size)
+        full, full_counts = np.unique(ctx * vocab_size + train[ends], return_counts=True)
+        seen, seen_counts = np.unique(ctx, return_counts=True)
+        distinct = np.unique(full // vocab_size, return_counts=True)[1]  # T(h), in the order of `seen`
+        have = targets >= context
+        v_ctx = _context_keys(validation, np.maximum(targets, context), context, vocab_size)
+        at = np.clip(np.searchsorted(seen, v_ctx), 0, seen.size - 1)
+        known = have & (seen[at] == v_ctx)
+        key = v_ctx * vocab_size + validation[targets]
+        at_full = np.clip(np.searchsorted(full, key), 0, full.size - 1)
+        c_hw = np.where(full[at_full] == key, full_counts[at_full], 0)
+        c_h, t_h = seen_counts[at], distinct[at]
+        prob = np.where(known, (c_hw + t_h * prob) / np.maximum(c_h + t_h, 1), prob)
+    return float(-np.mean(np.log2(prob)))
+
+
+def ngram_baselines(corpus: "TextCorpus", orders=(1, 2, 3, 4, 5)) -> dict[int, float]:
+    """`{n: ngram_bpc(corpus.train, corpus.validation, n)}`: the lines a model must pass."""
+    return {n: ngram_bpc(corpus.train, corpus.validation, n, corpus.vocab_size) for n in orders}

@@ -89,8 +89,20 @@ class TrainState(struct.PyTreeNode):
     opt_state: Any
 
 
+def weight_decay_mask(params) -> Any:
+    """True on the leaves AdamW decays: matrices (kernels, the token and position
+    embeddings), False on vectors (LayerNorm scales and biases, every bias).
+
+    nanoGPT's rule (`configure_optimizers`: decay parameters with `dim >= 2`):
+    shrinking a LayerNorm scale towards 0 or a bias towards 0 is not a penalty on
+    model complexity, only a pull away from the identity/zero the layer needs.
+    """
+    return jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)
+
+
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW with linear warmup and cosine decay."""
+    """Global-norm clipping, then AdamW with linear warmup and cosine decay; norms
+    and biases are exempt from weight decay (`weight_decay_mask`)."""
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
         decay_steps=max(cfg.num_steps, cfg.warmup_steps + 1),
@@ -98,7 +110,7 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     )
     return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip_norm),
-        optax.adamw(schedule, weight_decay=cfg.weight_decay),
+        optax.adamw(schedule, weight_decay=cfg.weight_decay, mask=weight_decay_mask),
     )
 
 

@@ -1,0 +1,124 @@
+"""Short character-LM runs that size the presets and check the learning rate per head count (issue 22, item 1).
+
+Trains one model per (heads, learning rate) pair for a few hundred steps, all seeds of
+a pair in one vmapped program, and reports validation bpc (the trainer's evaluation
+windows), characters seen and throughput, beside the interpolated n-gram baselines
+of the same split (`jax_mha.lab.text.ngram_baselines`). It answers two questions
+before the long runs: does the best learning rate depend on the head size, and how
+many steps does a preset need to pass a baseline.
+
+    python -m experiments.lm_sizing --heads 1 16 --lrs 1e-3 3e-3 6e-3 --steps 300
+    python -m experiments.lm_sizing --heads 1 4 16 --lrs 3e-3 --steps 600 --d-model 128 --seq-len 128
+
+Output (--out, default results/lm_sizing/): results.json, summary.md, sizing_curves.png.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+
+from experiments import common
+from experiments.common import save_figure, write_atomic, write_json
+from jax_mha.lab import stats
+from jax_mha.lab.models import ModelConfig
+from jax_mha.lab.text import TextTaskConfig, ngram_baselines
+from jax_mha.lab.train import TrainConfig, train_seeds
+
+MODULE = "experiments.lm_sizing"
+
+
+def build_parser():
+    p = common.parser(MODULE, "Short character-LM runs over head counts and learning rates: validation bpc, "
+                              "characters seen, throughput, and the n-gram baselines of the same split.")
+    p.add_argument("--heads", type=common.positive_int, nargs="+", default=[1, 16])
+    p.add_argument("--lrs", type=common.positive_float, nargs="+", default=[1e-3, 3e-3, 6e-3])
+    p.add_argument("--steps", type=common.positive_int, default=300, help="steps per run (a multiple of 50)")
+    p.add_argument("--seeds", type=common.positive_int, default=1)
+    p.add_argument("--d-model", type=common.positive_int, default=128)
+    p.add_argument("--layers", type=common.positive_int, default=2)
+    p.add_argument("--seq-len", type=common.positive_int, default=128)
+    p.add_argument("--batch-size", type=common.positive_int, default=32)
+    p.add_argument("--warmup", type=common.nonnegative_int, default=50)
+    p.add_argument("--out", type=Path, default=Path("results") / "lm_sizing")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    common.use_agg_backend()
+    task = TextTaskConfig(seq_len=args.seq_len)
+    baselines = ngram_baselines(task.corpus)
+    results = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+               "metadata": common.run_metadata(), "ngram_bpc": baselines, "runs": []}
+    print(f"n-gram bpc on this split: " + ", ".join(f"{n}-gram {b:.3f}" for n, b in baselines.items()), flush=True)
+    for h in args.heads:
+        for lr in args.lrs:
+            model = ModelConfig(vocab_size=task.vocab_size, max_len=args.seq_len, d_model=args.d_model,
+                                d_ff=4 * args.d_model, num_heads=h, num_layers=args.layers)
+            train = TrainConfig(batch_size=args.batch_size, num_steps=args.steps, learning_rate=lr,
+                                warmup_steps=args.warmup, steps_per_call=50, eval_every=50, eval_size=64,
+                                early_stop=False)
+            bar = common.TrainingBar(args.steps, f"h={h} lr={lr:g}", args.no_progress)
+            start = time.perf_counter()
+            try:
+                r = train_seeds(model, task, train, list(range(args.seeds)), callback=bar)
+            finally:
+                bar.close()
+            bpc = r.evals["bpc"]  # (seeds, E)
+            train_bpc = r.curve["loss"][:, -1] / np.log(2)  # last chunk's mean training loss
+            results["runs"].append({
+                "heads": h, "lr": lr, "steps": r.steps_run, "eval_step": r.evals["step"], "bpc": bpc,
+                "final_bpc": bpc[:, -1], "train_bpc": train_bpc,
+                "characters_per_seed": r.steps_run * args.batch_size * args.seq_len,
+                "wall_seconds": time.perf_counter() - start, "tokens_per_second": r.tokens_per_second})
+            write_json(args.out / "results.json", results)
+    text = summary(results)
+    write_atomic(args.out / "summary.md", text)
+    plot(results, args.out)
+    print("\n" + text)
+    return results
+
+
+def summary(results: dict) -> str:
+    a = results["args"]
+    lines = [f"Character LM sizing: d_model={a['d_model']}, {a['layers']} layers, T={a['seq_len']}, batch "
+             f"{a['batch_size']}, warmup {a['warmup']}, cosine to 1 %, {a['seeds']} seed(s); validation bpc on 64 "
+             f"evenly spaced validation windows; {results['metadata']['cpu']}.",
+             "N-gram bpc on the same split: " + ", ".join(f"{n}-gram {b:.3f}" for n, b in results["ngram_bpc"].items())
+             + ".", "",
+             "| heads | lr | steps | characters/seed | validation bpc | train bpc (last 50 steps) | gap | wall s | chars/s |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results["runs"]:
+        iv, tr = stats.t_interval(r["final_bpc"]), stats.t_interval(r["train_bpc"])
+        lines.append(f"| {r['heads']} | {r['lr']:g} | {r['steps']} | {r['characters_per_seed']:,} | {iv.format(3)} | "
+                     f"{tr.format(3)} | {iv.mean - tr.mean:+.3f} | {r['wall_seconds']:.0f} | {r['tokens_per_second']:,.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, out: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    for i, r in enumerate(results["runs"]):
+        bpc = np.asarray(r["bpc"])
+        ax.plot(r["eval_step"], bpc.mean(0), marker=".", color=f"C{i}", label=f"h={r['heads']}, lr={r['lr']:g}")
+    for n, b in results["ngram_bpc"].items():
+        if n >= 2:
+            ax.axhline(b, color="grey", ls=":", lw=1)
+            ax.text(ax.get_xlim()[0], b, f" {n}-gram", va="bottom", fontsize=8, color="grey")
+    a = results["args"]
+    ax.set(xlabel="optimizer step", ylabel="validation bits per character",
+           title=f"Sizing runs: d_model={a['d_model']}, T={a['seq_len']}, batch {a['batch_size']}\n"
+                 f"dotted: interpolated n-gram baselines of the same split")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    save_figure(fig, out / "sizing_curves.png")
+
+
+if __name__ == "__main__":
+    common.cli(main, MODULE)

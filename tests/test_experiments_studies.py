@@ -1,0 +1,45 @@
+"""Smoke runs of issue 22's studies at tiny size: they run end to end and write what they say."""
+
+import json
+
+import numpy as np
+import pytest
+
+from experiments import associative_recall, lm_sizing
+
+
+def test_associative_recall_tiny(tmp_path):
+    results = associative_recall.main(["--preset", "tiny", "--out", str(tmp_path), "--no-progress"])
+    assert set(results["heads"]) == {"1", "2"}
+    for name in ("results.json", "summary.md", "recall_curves.png", "recall_vs_heads.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "AUC − AUC(h=1)" in summary and "95 % t interval" in summary
+    run = json.loads((tmp_path / "results.json").read_text())["heads"]["2"]["runs"][0]
+    assert run["auc_loss"] == pytest.approx(associative_recall.area_under_loss(run["eval_step"], run["eval_loss"]))
+
+
+def test_area_under_loss_is_the_trapezoid_mean():
+    assert associative_recall.area_under_loss([0, 10, 30], [3.0, 1.0, 1.0]) == pytest.approx((20 + 20) / 30)
+    assert associative_recall.area_under_loss([5], [2.0]) == 2.0
+
+
+def test_lm_sizing_tiny(tmp_path):
+    results = lm_sizing.main(["--heads", "2", "--lrs", "3e-3", "--steps", "50", "--d-model", "8", "--seq-len", "16",
+                              "--batch-size", "4", "--warmup", "5", "--out", str(tmp_path), "--no-progress"])
+    (run,) = results["runs"]
+    assert run["characters_per_seed"] == 50 * 4 * 16
+    assert np.all(np.isfinite(run["final_bpc"]))
+    assert results["ngram_bpc"][1] > results["ngram_bpc"][3]  # the baselines come from the split
+    assert "3-gram" in (tmp_path / "summary.md").read_text() and (tmp_path / "sizing_curves.png").exists()
+
+
+def test_one_token_accuracy_reference_lines():
+    from jax_mha.lab.data import RecallTaskConfig
+
+    # With 40 key symbols another of the 8 pairs shares the token with probability ~7/40: mostly one token will do.
+    assert associative_recall.one_token_accuracy(RecallTaskConfig(num_key_symbols=40), "a", rows=256) > 0.9
+    # With 2 key symbols and 4 distinct keys, each token value is shared by exactly 2 pairs:
+    # right with probability 1/2 + (1/2)(1/V) when the other candidate's value may coincide.
+    cfg = RecallTaskConfig(num_pairs=4, num_queries=4, num_key_symbols=2, num_values=8)
+    assert associative_recall.one_token_accuracy(cfg, "b", rows=4096) == pytest.approx(0.5 + 0.5 / 8, abs=0.01)
