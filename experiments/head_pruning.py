@@ -366,6 +366,7 @@ ORDER_LABELS_LM = {"importance": "by gradient importance I(l,h)", "oracle": "by 
 
 
 def main(argv=None) -> dict:
+    common.start_study()
     args, spec, cfg = parse(argv)
     common.use_agg_backend()
     args.out.mkdir(parents=True, exist_ok=True)
