@@ -28,10 +28,10 @@ import jax
 import numpy as np
 
 from jax_mha.lab.checkpoint import load_checkpoint, save_checkpoint, write_atomic
-from jax_mha.lab.host_memory import reuse_freed_memory
 from jax_mha.lab.data import CopyTaskConfig, Task, task_from_dict, task_to_dict
-from jax_mha.lab.text import TextTaskConfig
+from jax_mha.lab.host_memory import reuse_freed_memory
 from jax_mha.lab.models import ModelConfig
+from jax_mha.lab.text import TextTaskConfig
 from jax_mha.lab.train import TrainConfig, train_seeds
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
