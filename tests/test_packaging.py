@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -21,32 +21,35 @@ STUDIES = ("attention_maps", "benchmark", "blockwise_memory", "head_ablation", "
            "param_count")
 
 
-def setuptools_config() -> dict:
-    """pyproject.toml as setuptools expands it (version read, packages found)."""
-    from setuptools.config.pyprojecttoml import read_configuration
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "[tool.setuptools] support is beta"
-        return read_configuration(ROOT / "pyproject.toml", expand=True)
+def pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
 def test_the_version_has_one_source_and_only_jax_mha_is_installed():
-    config = setuptools_config()
+    from setuptools import find_packages
+
+    config = pyproject()
     project, tool = config["project"], config["tool"]["setuptools"]
-    assert "version" in project["dynamic"]
-    assert project["version"] == jax_mha.__version__  # read from jax_mha/__init__.py, written nowhere else
-    assert sorted(tool["packages"]) == ["jax_mha", "jax_mha.lab"]  # no top-level `experiments`
+    assert "version" not in project and project["dynamic"] == ["version"]
+    assert tool["dynamic"]["version"] == {"attr": "jax_mha.__version__"}
+    written = [line for line in (ROOT / "jax_mha" / "__init__.py").read_text().splitlines()
+               if line.startswith("__version__ = ")]
+    assert len(written) == 1 and f'"{jax_mha.__version__}"' in written[0]  # a literal setuptools reads statically
+    found = find_packages(str(ROOT), include=tool["packages"]["find"]["include"])
+    assert sorted(found) == ["jax_mha", "jax_mha.lab"]  # no top-level `experiments`
     assert tool["package-data"]["jax_mha"] == ["py.typed"] and (ROOT / "jax_mha" / "py.typed").is_file()
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
 
 
 def test_extras_split_library_studies_and_tools():
-    extras = setuptools_config()["project"]["optional-dependencies"]
-    names = lambda extra: {req.split(">")[0].split("=")[0].split("[")[0] for req in extras[extra]}
-    assert names("studies") == {"matplotlib", "tqdm"}
-    assert "jax_mha" in names("dev") and "jax_mha[studies]" in extras["dev"] and "ruff" in names("dev")
-    assert names("tensorboard") == {"tensorboardX"} and {"mkdocs", "mkdocstrings"} <= names("docs")
-    deps = {d.split(">")[0] for d in setuptools_config()["project"]["dependencies"]}
-    assert not deps & {"matplotlib", "tqdm", "tensorboardX", "chex"}  # the library needs none of them
+    project = pyproject()["project"]
+    extras = project["optional-dependencies"]
+    names = lambda reqs: {re.split(r"[<>=\[ ;]", req, maxsplit=1)[0] for req in reqs}
+    assert names(extras["studies"]) == {"matplotlib", "tqdm"}
+    assert "jax_mha[studies]" in extras["dev"] and {"pytest", "ruff", "chex"} <= names(extras["dev"])
+    assert names(extras["tensorboard"]) == {"tensorboardX"} and {"mkdocs", "mkdocstrings"} <= names(extras["docs"])
+    assert names(project["dependencies"]) == {"jax", "jaxlib", "flax", "optax", "numpy"}  # the library needs no more
 
 
 def test_license_is_the_apache_2_text():
