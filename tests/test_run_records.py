@@ -141,3 +141,34 @@ def test_tensorboard_without_its_extra_is_one_line(tmp_path, monkeypatch):
         common.MetricsLog(tmp_path / "metrics.jsonl", [0], tensorboard=tmp_path / "tb")
     message = str(e.value.code)
     assert "\n" not in message and "tensorboardX" in message and 'pip install -e ".[tensorboard]"' in message
+
+
+def test_head_ablation_writes_metrics_jsonl_and_tensorboard_events(tmp_path):
+    """The study end to end: one metrics line per evaluation beside results.json, whose
+    metadata has the command line; `--tensorboard DIR` gets one run per head count and seed."""
+    out = tmp_path / "out"
+    args = ["--preset", "tiny", "--heads", "4", "--steps", "50", "--no-early-stop", "--no-progress", "--out", str(out)]
+    try:
+        import tensorboardX  # noqa: F401
+
+        args += ["--tensorboard", str(tmp_path / "tb")]
+    except ImportError:
+        pass  # the metrics.jsonl half still runs
+    run = lambda: subprocess.run([sys.executable, "-m", "experiments.head_ablation", *args], cwd=ROOT, env=ENV,
+                                 capture_output=True, text=True, timeout=300)
+    done = run()
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["metadata"]["argv"][1:] == args
+    eval_steps = results["heads"]["4"]["runs"][0]["eval_curve"]["step"]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == eval_steps and len(lines) == 2
+    assert {x["heads"] for x in lines} == {4} and all(x["seeds"] == [0, 1] for x in lines)
+    for i, line in enumerate(lines):
+        assert [r["eval_curve"]["exact_accuracy"][i] for r in results["heads"]["4"]["runs"]] == pytest.approx(
+            line["eval"]["exact_accuracy"])
+    if "--tensorboard" in args:
+        assert sorted(p.name for p in (tmp_path / "tb").iterdir()) == ["heads4_seed0", "heads4_seed1"]
+    again = run()  # the head count is done: skipped, nothing appended
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
