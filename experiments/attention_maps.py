@@ -204,6 +204,7 @@ def lm_main(args, spec: common.ModelSpec) -> dict:
 
 
 def main(argv=None) -> dict:
+    common.start_study()
     args, spec = parse(argv)
     common.use_agg_backend()
     args.out.mkdir(parents=True, exist_ok=True)

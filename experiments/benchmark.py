@@ -925,6 +925,7 @@ def metadata(with_torch: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    common.start_study()
     args = parse(argv)
     cfg = QUICK if args.quick else FULL
     if args.shapes:

@@ -275,7 +275,7 @@ def measure(args: argparse.Namespace, n: int, impl: str) -> dict:
     this process is interrupted."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()
-        proc = subprocess.Popen(_child_cmd(args, n, impl), stdout=out, stderr=err)
+        proc = subprocess.Popen(_child_cmd(args, n, impl), stdout=out, stderr=err, env=common.child_env())
         try:
             status, usage, killed_for, polled_peak = _watch(proc, args)
         finally:
@@ -381,6 +381,7 @@ def measure_all(args: argparse.Namespace, rows: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    common.start_study(("matplotlib",))
     args = parse_args(argv)
     if args.child:
         run_child(args)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -15,8 +17,10 @@ import platform
 import shlex
 import signal
 import statistics
+import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -24,17 +28,71 @@ import jax
 import numpy as np
 
 from jax_mha.lab.checkpoint import load_checkpoint, save_checkpoint, write_atomic
-from jax_mha.lab.host_memory import reuse_freed_memory
 from jax_mha.lab.data import CopyTaskConfig, Task, task_from_dict, task_to_dict
-from jax_mha.lab.text import TextTaskConfig
+from jax_mha.lab.host_memory import reuse_freed_memory
 from jax_mha.lab.models import ModelConfig
+from jax_mha.lab.text import TextTaskConfig
 from jax_mha.lab.train import TrainConfig, train_seeds
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
-# Before any study computes: XLA:CPU's per-call temporaries otherwise page-fault in
-# anew on every call (jax_mha.lab.host_memory; ~10% of a copy-task training step).
-HOST_MEMORY_REUSED = reuse_freed_memory()
+# Whether `start_study` made glibc reuse freed memory in this process: None until a
+# study's main() calls it (importing this module changes nothing process-wide).
+HOST_MEMORY_REUSED: bool | None = None
+
+# The optional packages a study may need, and the extra of pyproject.toml that installs each.
+EXTRAS = {"tqdm": "studies", "matplotlib": "studies", "tensorboardX": "tensorboard"}
+
+
+def missing_extra_message(modules: Sequence[str]) -> str | None:
+    """The one line naming what to install when any of `modules` cannot be imported, else None."""
+    missing = [m for m in modules if not _importable(m)]
+    if not missing:
+        return None
+    extras = sorted({EXTRAS.get(m, "studies") for m in missing})
+    install = " ".join(f'pip install -e ".[{e}]"' for e in extras)
+    return f"error: this needs {', '.join(missing)}, which is not installed; install it with: {install}"
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None  # None also where sys.modules[module] is None
+    except (ImportError, ValueError):
+        return False
+
+
+def require(module: str) -> Any:
+    """`importlib.import_module(module)`, or SystemExit with one line naming the extra."""
+    problem = missing_extra_message([module.split(".")[0]])
+    if problem is not None:
+        raise SystemExit(problem)
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:  # installed but broken
+        raise SystemExit(f"error: importing {module} failed ({e}); reinstall it: "
+                         f'pip install -e ".[{EXTRAS.get(module.split(".")[0], "studies")}]"') from None
+
+
+def start_study(needs: Sequence[str] = ("tqdm", "matplotlib")) -> bool:
+    """What every study's main() does first: checks that the optional packages it
+    `needs` are installed (SystemExit with one line naming the extra otherwise), then,
+    before any JAX computation, makes glibc keep and reuse freed memory: XLA:CPU's
+    per-call temporaries otherwise page-fault in anew on every call
+    (jax_mha.lab.host_memory; ~10% of a copy-task training step).
+
+    Returns whether the allocator setting took effect (recorded by `run_metadata`);
+    in a process where JAX has already computed, e.g. a test calling main(), it is
+    False and the allocator is left alone. Later calls return the first answer.
+    """
+    global HOST_MEMORY_REUSED
+    problem = missing_extra_message(needs)
+    if problem is not None:
+        raise SystemExit(problem)
+    if HOST_MEMORY_REUSED is None:
+        with warnings.catch_warnings():  # once JAX has started it changes nothing and warns; the record says False
+            warnings.simplefilter("ignore", RuntimeWarning)
+            HOST_MEMORY_REUSED = reuse_freed_memory()
+    return HOST_MEMORY_REUSED
 
 
 # ----------------------------------------------------------------- Ctrl-C
@@ -386,8 +444,36 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+CHECKOUT = Path(__file__).resolve().parents[1]  # the repository the studies run from
+
+
+def git_state(root: str | os.PathLike = CHECKOUT) -> dict[str, Any]:
+    """`{"commit", "dirty"}` of the git checkout at `root`: the HEAD commit and whether
+    `git status --porcelain` lists any change (ignored files such as results/ do not
+    count); both None outside a checkout or without git."""
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain") if commit is not None else None
+    return {"commit": commit.strip() if commit else None, "dirty": None if status is None else bool(status.strip())}
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment with the checkout first on PYTHONPATH, so a child
+    `python -m experiments.NAME` finds the studies from any working directory (they
+    are not installed)."""
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": str(CHECKOUT) + (os.pathsep + path if path else "")}
+
+
 def run_metadata() -> dict[str, Any]:
-    """Versions, CPU and device, recorded beside every result."""
+    """Versions, CPU and device, the git commit (and whether the tree had uncommitted
+    changes) and the command line, recorded beside every result."""
     import flax
     import optax
 
@@ -396,7 +482,8 @@ def run_metadata() -> dict[str, Any]:
         "numpy": np.__version__, "python": platform.python_version(),
         "backend": jax.default_backend(), "devices": [str(d.device_kind) for d in jax.devices()],
         "cpu": cpu_model(), "cpu_count": os.cpu_count(), "machine": platform.machine(),
-        "load_average": list(os.getloadavg()), "host_memory_reused": HOST_MEMORY_REUSED,
+        "load_average": list(os.getloadavg()), "host_memory_reused": bool(HOST_MEMORY_REUSED),
+        **git_state(), "argv": list(sys.argv),
     }
 
 
@@ -404,8 +491,7 @@ def save_figure(fig, path: str | os.PathLike) -> None:
     """Saves a matplotlib figure as PNG atomically and closes it."""
     import io
 
-    import matplotlib.pyplot as plt
-
+    plt = require("matplotlib.pyplot")
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -414,9 +500,7 @@ def save_figure(fig, path: str | os.PathLike) -> None:
 
 def use_agg_backend() -> None:
     """Studies draw to files; never ask for a screen."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require("matplotlib").use("Agg")
 
 
 # ----------------------------------------------------------------- progress
@@ -426,13 +510,14 @@ class TrainingBar:
     """A tqdm bar over optimizer steps fed by `train_seeds`' callback; early stopping
     closes it at 100% with "stopped at step S: target reached" (no stale ETA)."""
 
-    def __init__(self, total: int, desc: str, disable: bool):
-        from tqdm.auto import tqdm
-
-        self.desc, self.closed = desc, False
+    def __init__(self, total: int, desc: str, disable: bool, log: MetricsLog | None = None):
+        tqdm = require("tqdm.auto").tqdm
+        self.desc, self.closed, self.log = desc, False, log
         self.bar = tqdm(total=total, desc=desc, unit="step", disable=disable, leave=True)
 
     def __call__(self, report: dict) -> None:
+        if self.log is not None:
+            self.log(report)
         if "eval" in report and "bpc" in report["eval"]:
             self.bar.set_postfix(loss=f"{report['loss']:.4f}", val_bpc=f"{float(np.mean(report['eval']['bpc'])):.3f}")
         elif "eval" in report:
@@ -448,6 +533,8 @@ class TrainingBar:
         if self.closed:
             return
         self.closed = True
+        if self.log is not None:
+            self.log.close()
         early = reason is not None and reason != "step limit"
         if early and self.bar.disable:
             print(f"{self.desc}: stopped at step {step}: {reason}", flush=True)
@@ -455,6 +542,57 @@ class TrainingBar:
             self.bar.total = self.bar.n  # a full bar: nothing more is coming, no ETA
             self.bar.set_postfix_str(f"stopped at step {step}: {reason}")
         self.bar.close()
+
+
+class MetricsLog:
+    """A `train_seeds` callback (or `TrainingBar(log=...)`) that appends one JSON line
+    per evaluation to `path` (`metrics.jsonl` beside results.json): `tags` (e.g. the
+    head count), the step, the wall time, the chunk's mean training loss and accuracy,
+    the seeds and every evaluation metric per seed. Each line is written with one
+    `write` to a file opened for appending, so a reader never sees half a line from a
+    finished write; a resumed run appends after the lines already there.
+
+    With `tensorboard` (a folder), the scalar metrics also go to TensorBoard event
+    files there, one run per seed (`<run>seed<S>`, `run` from the tags), through
+    tensorboardX (the `tensorboard` extra; SystemExit with one line if missing).
+    """
+
+    def __init__(self, path: str | os.PathLike, seeds: Sequence[int], tags: dict[str, Any] | None = None,
+                 tensorboard: str | os.PathLike | None = None):
+        self.path, self.seeds, self.tags = Path(path), [int(s) for s in seeds], dict(tags or {})
+        self.writers: dict[int, Any] = {}
+        if tensorboard is not None:
+            writer = require("tensorboardX").SummaryWriter
+            run = "".join(f"{k}{v}_" for k, v in self.tags.items())
+            self.writers = {s: writer(logdir=str(Path(tensorboard) / f"{run}seed{s}")) for s in self.seeds}
+
+    def __call__(self, report: dict) -> None:
+        if "eval" not in report:
+            return
+        evals = {k: to_jsonable(v) for k, v in report["eval"].items()}
+        line = {**self.tags, "step": int(report["step"]), "time": time.time(),
+                "train_loss": to_jsonable(report.get("loss")), "train_accuracy": to_jsonable(report.get("accuracy")),
+                "seeds": self.seeds, "eval": evals}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(line, allow_nan=False) + "\n").encode())
+        finally:
+            os.close(fd)
+        for i, seed in enumerate(self.seeds):
+            writer = self.writers.get(seed)
+            if writer is None:
+                continue
+            for name, values in report["eval"].items():
+                value = np.asarray(values)
+                if value.ndim == 1 and value.shape[0] == len(self.seeds):  # one scalar per seed
+                    writer.add_scalar(f"eval/{name}", float(value[i]), int(report["step"]))
+            writer.flush()
+
+    def close(self) -> None:
+        for writer in self.writers.values():
+            writer.close()
+        self.writers = {}
 
 
 # ----------------------------------------------------------------- timing and FLOPs
@@ -640,7 +778,8 @@ def train_model(spec: ModelSpec, out: Path, progress: bool) -> StudyModel:
     print(f"model: training the --preset {spec.preset} model with {spec.heads} heads, seed {spec.seed} "
           f"({describe_model(spec.model, spec.ablation.task)}): no checkpoint of it in "
           f"{', '.join(map(str, candidate_checkpoints(spec, out)[:3]))}; saving to {path}", flush=True)
-    bar = TrainingBar(spec.ablation.train.num_steps, f"training h={spec.heads}", not progress)
+    bar = TrainingBar(spec.ablation.train.num_steps, f"training h={spec.heads}", not progress,
+                      log=MetricsLog(out / "metrics.jsonl", [spec.seed], {"heads": spec.heads}))
     try:
         result = train_seeds(spec.model, spec.ablation.task, spec.ablation.train_for(spec.heads), [spec.seed], callback=bar,
                              state_file=state_file)

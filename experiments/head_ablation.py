@@ -101,6 +101,8 @@ def build_parser():
     p.add_argument("--mesh", type=_mesh_spec, help="run sharded on a device mesh, e.g. 'data=2,model=2' (heads split over "
                    "'model', the batch over 'data'; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=4)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--tensorboard", type=Path, metavar="DIR", help="also write every evaluation's metrics as "
+                   "TensorBoard events under DIR, one run per head count and seed (needs the tensorboard extra)")
     return p
 
 
@@ -300,6 +302,7 @@ def start_results(path: Path, cfg: AblationConfig, force: bool) -> dict:
     if force:
         for stale in path.parent.glob("checkpoints/h*_state.msgpack"):
             stale.unlink()
+        (path.parent / "metrics.jsonl").unlink(missing_ok=True)  # the evaluations of the run thrown away
     if force or not path.exists():
         return fresh
     old = common.read_results(path, _results_problem)
@@ -321,7 +324,8 @@ def train_head_count(h: int, cfg: AblationConfig, args, mesh, status: dict) -> d
     state_file = args.out / "checkpoints" / f"h{h}_state.msgpack"
     if state_file.exists():
         print(f"h={h}: resuming from the training state saved in {state_file}", flush=True)
-    bar = common.TrainingBar(cfg.train.num_steps, f"h={h:>2}", args.no_progress)
+    log = common.MetricsLog(args.out / "metrics.jsonl", cfg.seeds, {"heads": h}, getattr(args, "tensorboard", None))
+    bar = common.TrainingBar(cfg.train.num_steps, f"h={h:>2}", args.no_progress, log=log)
     status.update(heads=h, state_file=state_file)
     try:
         result = train_seeds(model, cfg.task, cfg.train_for(h), cfg.seeds, mesh=mesh, callback=bar,
@@ -363,6 +367,7 @@ def describe_saved(results: dict, path: Path, status: dict) -> str:
 
 
 def main(argv=None) -> dict:
+    common.start_study()
     args, cfg, mesh = parse(argv)
     common.use_agg_backend()
     out: Path = args.out

@@ -397,6 +397,7 @@ def lm_induction_check(m: common.StudyModel, model: Decoder) -> dict:
 
 
 def main(argv=None) -> dict:
+    common.start_study()
     args, spec, cfg = parse(argv)
     common.use_agg_backend()
     args.out.mkdir(parents=True, exist_ok=True)

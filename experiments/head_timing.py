@@ -167,6 +167,7 @@ def write(rows: list[dict], cfg: TimingConfig, load_before, out: Path) -> dict:
 
 
 def main(argv=None) -> dict:
+    common.start_study()
     args, cfg = parse(argv)
     use_agg_backend()
     out: Path = args.out

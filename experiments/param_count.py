@@ -113,6 +113,7 @@ def table(rows: list[dict], block: dict, decoder: dict, d_model: int, d_ff: int,
 
 
 def main(argv=None) -> dict:
+    common.start_study(("matplotlib",))
     args = parse_args(argv)
     use_agg_backend()
     out: Path = args.out

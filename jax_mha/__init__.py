@@ -16,7 +16,7 @@ from jax_mha.functional import (
 from jax_mha.interop import from_flax, from_torch_state_dict, mask_from_torch, to_flax, to_torch_state_dict
 from jax_mha.modules import FeedForward, MultiHeadAttention, TransformerBlock
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one version source: pyproject.toml reads it (tool.setuptools.dynamic)
 
 __all__ = [
     "FeedForward",

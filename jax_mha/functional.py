@@ -518,9 +518,10 @@ def attention(
         `WHOLE_SCORES_MAX_BYTES`), `"blockwise"` (memory linear in N; skips blocks that
         causality or the window rule out), `"cudnn"` (jax.nn's fused GPU kernel;
         reverse-mode only), or `"auto"`/None (`resolve_implementation`).
-      query_block_size, key_block_size: block sizes of the blockwise path; None
-        picks them (`jax_mha.blockwise.default_blocks`: 2048 x 256, 512 x 512 when
-        causal or windowed, smaller for a narrow window).
+      query_block_size: the blockwise path's block size over queries; None picks
+        it (`jax_mha.blockwise.default_blocks`: 2048 x 256, 512 x 512 when causal or
+        windowed, smaller for a narrow window).
+      key_block_size: its block size over keys; None picks it likewise.
 
     Returns:
       `out (B…, H, N, Dv)` in `q`'s dtype, or `(out, weights (B…, H, N, S))` when

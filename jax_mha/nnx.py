@@ -34,7 +34,11 @@ class MultiHeadAttention(nnx.Module):
     """Multi-head attention with GQA/MQA, a KV cache, QK-norm, RoPE and head gates.
 
     The NNX twin of `jax_mha.MultiHeadAttention` (read its docstring for every
-    option); arguments beyond the linen module's:
+    option). `num_kv_heads`, `out_features`, `qkv_bias`, `out_bias`, `dropout_rate`,
+    `dtype`, `param_dtype`, `precision`, `kernel_init`, `bias_init`, `out_kernel_init`,
+    `out_bias_init`, `implementation`, `decode`, `normalize_qk`, `rope`, `rope_base`,
+    `sow_weights`, `add_bias_kv` and `add_zero_attn` are as in the linen module; the
+    others:
 
     Args:
       num_heads: H.
@@ -44,10 +48,6 @@ class MultiHeadAttention(nnx.Module):
       in_v_features: d_v, the width of `value`; default `in_kv_features`.
       deterministic: the default of the call's `deterministic` (`train()` sets False).
       rngs: `nnx.Rngs` for the initialisers, and its "dropout" stream for dropout.
-      (num_kv_heads, out_features, qkv_bias, out_bias, dropout_rate, dtype,
-      param_dtype, precision, kernel_init, bias_init, out_kernel_init, out_bias_init,
-      implementation, decode, normalize_qk, rope, rope_base, sow_weights,
-      add_bias_kv, add_zero_attn: as in the linen module.)
 
     Raises:
       ValueError: naming the numbers, for indivisible head counts or a
@@ -226,12 +226,12 @@ class FeedForward(nnx.Module):
 class TransformerBlock(nnx.Module):
     """Self-attention + feed-forward with residuals and LayerNorm: the NNX twin of
     `jax_mha.TransformerBlock` (post-norm by default, pre-norm with `pre_norm=True`).
+    `num_heads`, `d_ff`, `num_kv_heads`, `dropout_rate`, `attention_dropout_rate`,
+    `pre_norm`, `dtype`, `param_dtype`, `precision`, `implementation`, `decode`,
+    `normalize_qk`, `rope`, `rope_base` and `sow_weights` are as in the linen block.
 
     Args:
       d_model: the width of the input and output.
-      num_heads, d_ff, num_kv_heads, dropout_rate, attention_dropout_rate, pre_norm,
-        dtype, param_dtype, precision, implementation, decode, normalize_qk, rope,
-        rope_base, sow_weights: as in the linen block.
       deterministic: the default of the call's `deterministic` (`train()` sets False).
       rngs: `nnx.Rngs` for the initialisers and dropout.
 
