@@ -15,7 +15,6 @@ Output (--out, default results/lm_sizing/): results.json, summary.md, sizing_cur
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 
@@ -55,7 +54,7 @@ def main(argv=None) -> dict:
     baselines = ngram_baselines(task.corpus)
     results = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                "metadata": common.run_metadata(), "ngram_bpc": baselines, "runs": []}
-    print(f"n-gram bpc on this split: " + ", ".join(f"{n}-gram {b:.3f}" for n, b in baselines.items()), flush=True)
+    print("n-gram bpc on this split: " + ", ".join(f"{n}-gram {b:.3f}" for n, b in baselines.items()), flush=True)
     for h in args.heads:
         for lr in args.lrs:
             model = ModelConfig(vocab_size=task.vocab_size, max_len=args.seq_len, d_model=args.d_model,

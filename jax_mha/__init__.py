@@ -4,13 +4,13 @@
 """
 
 from jax_mha.functional import (
-    rotary_embedding,
     attention,
     attention_entropy,
     causal_mask,
     combine_heads,
     lengths_mask,
     padding_mask,
+    rotary_embedding,
     split_heads,
 )
 from jax_mha.interop import from_flax, from_torch_state_dict, mask_from_torch, to_flax, to_torch_state_dict

@@ -44,8 +44,8 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from jax_mha._reference import compute_dtype
 from jax_mha._masking import Visibility, Window, block_allowed, key_block_band, key_range
+from jax_mha._reference import compute_dtype
 
 _SCORES = "bkqd,bkcd->bkqc"  # q kᵀ per block (also dq kᵀ, q dkᵀ)
 _MIX = "bkqc,bkcd->bkqd"  # p v per block (also a v, p dv)

@@ -123,7 +123,7 @@ def x64(enabled: bool = True):
     `jax.experimental.enable_x64`)."""
     if hasattr(jax, "enable_x64"):
         return jax.enable_x64(enabled)
-    from jax.experimental import enable_x64, disable_x64  # jax < 0.5
+    from jax.experimental import disable_x64, enable_x64  # jax < 0.5
 
     return enable_x64() if enabled else disable_x64()
 

@@ -48,7 +48,7 @@ def run(path, q, k, v, **kw):
     return out[0] if path == "weights" else out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted(static):
     return jax.jit(lambda q, k, v, arrays: attention(q, k, v, **arrays, **dict(static)))
 

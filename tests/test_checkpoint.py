@@ -20,7 +20,14 @@ import pytest
 from flax import serialization
 
 from jax_mha.lab import checkpoint
-from jax_mha.lab.checkpoint import FORMAT, load_checkpoint, load_train_state, save_checkpoint, save_train_state, write_atomic
+from jax_mha.lab.checkpoint import (
+    FORMAT,
+    load_checkpoint,
+    load_train_state,
+    save_checkpoint,
+    save_train_state,
+    write_atomic,
+)
 from jax_mha.lab.data import CopyTaskConfig
 from jax_mha.lab.models import CopyTransformer, ModelConfig
 

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import run_in
 
 from experiments import attention_maps, common, head_ablation, head_pruning

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import run_in
 
 from experiments import attention_maps, head_pruning

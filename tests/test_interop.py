@@ -11,13 +11,19 @@ import re
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from jax_mha import MultiHeadAttention, causal_mask, from_flax, from_torch_state_dict, mask_from_torch, to_flax
-from jax_mha import to_torch_state_dict
+from jax_mha import (
+    MultiHeadAttention,
+    causal_mask,
+    from_flax,
+    from_torch_state_dict,
+    mask_from_torch,
+    to_flax,
+    to_torch_state_dict,
+)
 
 # B, N, S, H, D: distinct primes; E = H * D.
 B, N, S, H, D = 2, 5, 7, 3, 4

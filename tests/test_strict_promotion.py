@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_mha import MultiHeadAttention, TransformerBlock, attention
-from jax_mha import nnx as jax_mha_nnx
-
 # The whole module suites, re-collected in this file: the autouse fixture below runs
 # each of their tests under strict promotion.
 from test_modules import *  # noqa: E402,F401,F403
 from test_nnx import *  # noqa: E402,F401,F403
+
+from jax_mha import MultiHeadAttention, TransformerBlock, attention
+from jax_mha import nnx as jax_mha_nnx
 
 
 @pytest.fixture(autouse=True)

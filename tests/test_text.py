@@ -1,13 +1,13 @@
 """The character corpus: topic split, vocabulary, random and validation batches, files, bpc."""
 
 import math
+from pydoc_data.topics import topics
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pydoc_data.topics import topics
 
 from jax_mha.lab.text import (
     TextTaskConfig,

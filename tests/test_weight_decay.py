@@ -1,6 +1,5 @@
 """AdamW's weight-decay mask: matrices decay, norms and biases do not (nanoGPT's rule)."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

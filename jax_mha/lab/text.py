@@ -84,7 +84,7 @@ class TextTaskConfig:
         return self.seq_len + 1
 
     @property
-    def corpus(self) -> "TextCorpus":
+    def corpus(self) -> TextCorpus:
         """The corpus, loaded on first use and cached per config (`cached_corpus`)."""
         return cached_corpus(self)
 
@@ -269,7 +269,6 @@ def reference_corpus(config: TextTaskConfig = TextTaskConfig()) -> TextCorpus:
       ValueError: if `config.seq_len` is too long for a split.
     """
     import sys
-
     from pydoc_data.topics import topics  # ships with CPython; imported here so `import jax_mha.lab.text` stays cheap
 
     train_names, held = split_topics(topics, config.validation_fraction)
@@ -513,6 +512,6 @@ def ngram_bpc(train, validation, order: int, vocab_size: int) -> float:
     return float(-np.mean(np.log2(prob)))
 
 
-def ngram_baselines(corpus: "TextCorpus", orders=(1, 2, 3, 4, 5)) -> dict[int, float]:
+def ngram_baselines(corpus: TextCorpus, orders=(1, 2, 3, 4, 5)) -> dict[int, float]:
     """`{n: ngram_bpc(corpus.train, corpus.validation, n)}`: the lines a model must pass."""
     return {n: ngram_bpc(corpus.train, corpus.validation, n, corpus.vocab_size) for n in orders}

@@ -28,9 +28,9 @@ import optax
 from flax import struct
 
 from jax_mha import parallel
+from jax_mha.functional import attention_entropy
 from jax_mha.lab.checkpoint import load_train_state, save_train_state
 from jax_mha.lab.data import Batch, Decoding, Task, task_to_dict
-from jax_mha.functional import attention_entropy
 from jax_mha.lab.models import Decoder, ModelConfig, decode_step, empty_cache
 
 _POSITIVE_INTS = ("batch_size", "num_steps", "steps_per_call", "eval_every", "eval_size", "early_stop_evals")
