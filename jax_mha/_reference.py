@@ -2,7 +2,8 @@
 
 scores -> mask -> float32 softmax -> zeros for empty rows -> weights · v. The math runs
 in float32 whatever the input dtype (float64 stays float64), so gradients cannot
-overflow in float16. It is also the path that returns the weights (and drops them out).
+overflow in float16. It is also the path that returns the weights (dropout on them is
+applied by the caller, `jax_mha.functional._weights_path`).
 Inputs are finite here: the dispatcher (`jax_mha.functional`) replaces non-finite
 entries and marks the rows that see them.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jax_mha._masking import compute_dtype
 
 
 def reference_weights(q, k, allowed=None, bias=None, *, scale: float, rows_see_keys: bool = False):
@@ -31,7 +34,7 @@ def reference_weights(q, k, allowed=None, bias=None, *, scale: float, rows_see_k
       float64 inputs). `empty` marks rows with no key left (all masked, or every
       logit -inf); their weights are 0.
     """
-    dtype = jnp.promote_types(q.dtype, jnp.float32)
+    dtype = compute_dtype(q.dtype)
     k = jnp.repeat(k, q.shape[-3] // k.shape[-3], axis=-3)  # (B…, H, S, D)
     logits = jnp.einsum("...hnd,...hsd->...hns", q.astype(dtype), k.astype(dtype))
     logits = logits * jnp.asarray(scale, dtype)
@@ -58,9 +61,3 @@ def mix(weights, v):
     v = jnp.repeat(v, weights.shape[-3] // v.shape[-3], axis=-3).astype(weights.dtype)  # (B…, H, S, Dv)
     return jnp.einsum("...hns,...hsd->...hnd", weights, v)
 
-
-def reference_attention(q, k, v, allowed=None, bias=None, *, scale: float):
-    """`(out (B…, H, N, Dv), weights, empty)`: `reference_weights`, then `mix`;
-    empty rows output 0."""
-    weights, empty = reference_weights(q, k, allowed, bias, scale=scale)
-    return mix(weights, v), weights, empty
