@@ -518,7 +518,7 @@ def check_description(vis) -> None:
 def _prepare(q, k, v, vis: Visibility, *, scale, q_block: int, k_block: int, bad_kv):
     """`(Plan, Arrays)`: the public layout moved into the engine's."""
     batch = tuple(jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
-    (heads, n, d), (kv_heads, s, dv) = q.shape[-3:], v.shape[-3:]
+    (heads, n, d), (kv_heads, s, _) = q.shape[-3:], v.shape[-3:]
     groups = heads // kv_heads
     n_pad, s_pad = -(-n // q_block) * q_block, -(-s // k_block) * k_block
     dtype = compute_dtype(q.dtype)
