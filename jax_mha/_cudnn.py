@@ -9,10 +9,12 @@ mode (`grad`, `vjp`), no `jvp`/`jacfwd`; use `"xla"` or `"blockwise"` for those.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from jax_mha._masking import Visibility, Window, dense_allowed, lengths_at_rank, positional
+from jax_mha._masking import Visibility, dense_allowed
 
 
 def cudnn_problem(q, k, v, dropout: bool, return_weights: bool) -> str | None:
@@ -33,35 +35,37 @@ def cudnn_problem(q, k, v, dropout: bool, return_weights: bool) -> str | None:
     return None
 
 
-def cudnn_attention(q, k, v, *, bias, mask, q_lengths, kv_lengths, is_causal, window, scale, bad_kv):
+def cudnn_attention(q, k, v, vis: Visibility, *, scale, bad_kv):
     """Returns `(out (B…, H, N, D), empty (B…, H, N), touched (B…, H, N))`: `empty`
     marks rows with no visible key, `touched` rows that may see a `bad_kv` key (both
-    evaluated from the description, fused by XLA, never stored)."""
+    evaluated from the description, fused by XLA, never stored).
+
+    jax.nn's cuDNN call has no segment ids: they go in as part of the dense mask
+    (`dense_allowed`), as does the pattern when N != S (its alignment differs)."""
     *batch, h, n, d = q.shape
     s = k.shape[-2]
-    vis = Visibility(n, s, is_causal, window, mask)
-    native = n == s
-    if not native and vis.has_pattern:
-        pattern = positional(vis, jnp.arange(n)[:, None], jnp.arange(s)[None, :])
-        mask = pattern if mask is None else jnp.logical_and(mask, jax.lax.broadcast_to_rank(pattern, mask.ndim))
-    flat = lambda x: jnp.swapaxes(jnp.broadcast_to(x, (*batch, *x.shape[-3:])).reshape(-1, *x.shape[-3:]), -3, -2)
+    native = n == s and not vis.segmented
     full = lambda x: None if x is None else jnp.broadcast_to(x, (*batch, h, n, s)).reshape(-1, h, n, s)
-    lengths = lambda x: None if x is None else jnp.broadcast_to(x, tuple(batch)).reshape(-1).astype(jnp.int32)
+    lengths = lambda x: None if x is None else jnp.broadcast_to(x, (*batch, 1, 1, 1)).reshape(-1)
+    # What jax.nn does not take natively goes in as one mask, built by `_masking`.
+    as_mask = dataclasses.replace(vis, q_lengths=None, kv_lengths=None, bias=None)
+    if native:
+        as_mask = dataclasses.replace(as_mask, is_causal=False, window=None)
+    mask = dense_allowed(as_mask, len(batch) + 3)
+    flat = lambda x: jnp.swapaxes(jnp.broadcast_to(x, (*batch, *x.shape[-3:])).reshape(-1, *x.shape[-3:]), -3, -2)
     local = None
-    if native and window is not None:
-        local = (s if window.left is None else window.left, s if window.right is None else window.right)
+    if native and vis.window is not None:
+        local = (s if vis.window.left is None else vis.window.left, s if vis.window.right is None else vis.window.right)
     out = jax.nn.dot_product_attention(
-        flat(q), flat(k), flat(v), bias=full(bias), mask=full(mask), scale=scale,
-        is_causal=native and is_causal, query_seq_lengths=lengths(q_lengths),
-        key_value_seq_lengths=lengths(kv_lengths), local_window_size=local, implementation="cudnn",
+        flat(q), flat(k), flat(v), bias=full(vis.bias), mask=full(mask), scale=scale,
+        is_causal=native and vis.is_causal, query_seq_lengths=lengths(vis.q_lengths),
+        key_value_seq_lengths=lengths(vis.kv_lengths), local_window_size=local, implementation="cudnn",
     )  # (B, N, H, D)
     out = jnp.swapaxes(out, -3, -2).reshape(*batch, h, n, d)
-    full_vis = Visibility(n, s, is_causal, window, mask if not native else vis.mask,
-                          lengths_at_rank(q_lengths, len(batch)), lengths_at_rank(kv_lengths, len(batch)))
-    allowed = jnp.broadcast_to(
-        True if (allowed := dense_allowed(full_vis, len(batch) + 3)) is None else allowed, (*batch, h, n, s))
+    allowed = dense_allowed(vis, len(batch) + 3)
+    allowed = jnp.broadcast_to(True if allowed is None else allowed, (*batch, h, n, s))
     sees_bad = jnp.repeat(bad_kv, h // k.shape[-3], axis=-2)[..., None, :]  # (B…, H, 1, S)
     return out, ~jnp.any(allowed, axis=-1), jnp.any(allowed & sees_bad, axis=-1)
 
 
-__all__ = ["Window", "cudnn_attention", "cudnn_problem"]
+__all__ = ["cudnn_attention", "cudnn_problem"]

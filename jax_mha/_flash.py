@@ -44,8 +44,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from jax_mha._masking import Visibility, Window, block_allowed, key_block_band, key_range
-from jax_mha._reference import compute_dtype
+from jax_mha._masking import Visibility, Window, block_allowed, compute_dtype, key_block_band, key_range
 
 _SCORES = "bkqd,bkcd->bkqc"  # q kᵀ per block (also dq kᵀ, q dkᵀ)
 _MIX = "bkqc,bkcd->bkqd"  # p v per block (also a v, p dv)
@@ -84,10 +83,24 @@ class Arrays(NamedTuple):
     q_len: jax.Array | None
     kv_len: jax.Array | None
     bad_kv: jax.Array | None  # bool (B, K, Sp): keys whose key or value had a non-finite entry
+    q_ids: jax.Array | None = None  # int32 (B|1, 1, Np): query segment ids, padded with the last id
+    kv_ids: jax.Array | None = None  # int32 (B|1, 1, Sp)
 
 
 def _visibility(plan: Plan, a: Arrays) -> Visibility:
-    return Visibility(plan.n, plan.s, plan.is_causal, plan.window, a.mask, a.q_len, a.kv_len)
+    """The description with the engine-layout arrays (one batch entry and head when
+    `plan.per_head`), for `block_allowed` and `key_range`."""
+    return Visibility(plan.n, plan.s, plan.is_causal, plan.window, mask=a.mask, q_lengths=a.q_len,
+                      kv_lengths=a.kv_len)
+
+
+def _segment_block(a: Arrays, plan: Plan, i0, j0):
+    """`(q ids (B|1, 1, bq, 1), kv ids (B|1, 1, 1, bk))` of one block, or None."""
+    if a.q_ids is None:
+        return None
+    q_ids = lax.dynamic_slice_in_dim(a.q_ids, i0, plan.q_block, axis=2)
+    kv_ids = lax.dynamic_slice_in_dim(a.kv_ids, j0, plan.k_block, axis=2)
+    return q_ids[..., None], kv_ids[..., None, :]
 
 
 def _pair_block(x: jax.Array | None, plan: Plan, g, i0, j0) -> jax.Array | None:
@@ -131,7 +144,8 @@ def _scores(plan: Plan, a: Arrays, q_i, k_j, g, i0, j0):
         s = s + bias.astype(_F(plan))
     rows = i0 + lax.broadcasted_iota(jnp.int32, (plan.q_block, 1), 0)
     cols = j0 + lax.broadcasted_iota(jnp.int32, (1, plan.k_block), 1)
-    allowed = block_allowed(_visibility(plan, a), rows, cols, _pair_block(a.mask, plan, g, i0, j0), 4)
+    allowed = block_allowed(_visibility(plan, a), rows, cols, _pair_block(a.mask, plan, g, i0, j0), 4,
+                            _segment_block(a, plan, i0, j0))
     if plan.s_pad != plan.s:  # keys added by padding never take part
         pad_ok = lax.broadcast_to_rank(cols < plan.s, 4)
         allowed = pad_ok if allowed is None else allowed & pad_ok
@@ -186,18 +200,45 @@ def _key_loop(plan: Plan, a: Arrays, g, i0, body, init, da: Arrays | None = None
                                                                      plan.band * plan.k_block, axis=2)
     band = KeyBand(cut(a.k), cut(a.v), cut(a.bad_kv), *((cut(da.k), cut(da.v)) if da is not None else ()))
 
-    def visible(j):
-        ok = (j >= lo) & (j < hi)
-        if a.mask is not None:
-            ok = ok & jnp.any(_pair_block(a.mask, plan, g, i0, j * plan.k_block))
-        return ok
-
     def step(carry, t):
         j = start + t
-        return lax.cond(visible(j), lambda c: body(j, t, band, c), lambda c: c, carry), None
+        return lax.cond(_visible(plan, a, g, i0, j, lo, hi), lambda c: body(j, t, band, c), lambda c: c, carry), None
 
     step = jax.checkpoint(step, policy=jax.checkpoint_policies.nothing_saveable) if remat else step
     return lax.scan(step, init, jnp.arange(plan.band))[0]
+
+
+def _visible(plan: Plan, a: Arrays, g, i0, j, lo, hi):
+    """Whether key block `j` may hold a visible key for query rows `i0…` of head `g`:
+    inside `[lo, hi)` (`_key_blocks`), not all-False in the mask, and, with segment
+    ids, the block's id range `[min, max]` meets the query block's (exact for
+    sorted ids; for unsorted ones a superset, so never wrong, only less skipping)."""
+    ok = (j >= lo) & (j < hi)
+    if a.mask is not None:
+        ok = ok & jnp.any(_pair_block(a.mask, plan, g, i0, j * plan.k_block))
+    segments = _segment_block(a, plan, i0, j * plan.k_block)
+    if segments is not None:
+        q_ids, kv_ids = segments
+        ok = ok & (jnp.min(q_ids) <= jnp.max(kv_ids)) & (jnp.min(kv_ids) <= jnp.max(q_ids))
+    return ok
+
+
+def visited_blocks(q, k, v, vis: Visibility, *, q_block: int, k_block: int) -> int:
+    """How many (query block, key block) pairs the engine computes for these inputs:
+    the same `_key_blocks` and `_visible` decisions the loop takes, summed over every
+    batch entry and head (for tests and studies of block skipping)."""
+    plan, a = _prepare(q, k, v, vis, scale=1.0, q_block=q_block, k_block=k_block, bad_kv=None)
+    b, kv_heads = a.q.shape[:2]
+
+    def count(f):
+        head = _head(a, f // plan.num_row_blocks, kv_heads)
+        g, i0 = _row_origin(plan, f % plan.num_row_blocks)
+        lo, hi = _key_blocks(plan, head, i0)
+        start = jnp.clip(lo, 0, plan.s_pad // plan.k_block - plan.band)
+        js = start + jnp.arange(plan.band)
+        return jnp.sum(jax.vmap(lambda j: _visible(plan, head, g, i0, j, lo, hi))(js))
+
+    return int(jnp.sum(lax.map(count, jnp.arange(b * kv_heads * plan.num_row_blocks))))
 
 
 def _forward_rows(plan: Plan, a: Arrays, r):
@@ -369,7 +410,8 @@ def _tangent(plan: Plan, a: Arrays, da: Arrays, out, lse):
     def one_head(x):
         h, q, k_, v, bad, dq, dk, dv, out_h, lse_h = x
         pick = functools.partial(_head_of, h // k, h % k)
-        head = Arrays(q, k_, v, pick(a.bias), pick(a.mask), pick(a.q_len), pick(a.kv_len), bad)
+        head = Arrays(q, k_, v, pick(a.bias), pick(a.mask), pick(a.q_len), pick(a.kv_len), bad,
+                      pick(a.q_ids), pick(a.kv_ids))
         dhead = Arrays(None, dk, dv, pick(da.bias), None, None, None, None)
         xs = (jnp.arange(plan.num_row_blocks), rows(q), rows(dq), rows(out_h), rows(lse_h))
         d_out, d_lse = lax.map(functools.partial(_tangent_rows, plan, head, dhead), xs)
@@ -435,13 +477,23 @@ def _pairwise(x, batch, heads, groups, n_pad, s_pad, fill):
 
 
 def _lengths(x, batch):
-    """int lengths broadcastable to `(B…)` -> int32 `(B|1, 1, 1, 1)`."""
+    """int32 lengths `(B…|1, 1, 1, 1)` (the description's) -> `(B|1, 1, 1, 1)`."""
     if x is None:
         return None
-    x = jnp.asarray(x).astype(jnp.int32)
     if x.size == 1:
         return x.reshape(1, 1, 1, 1)
-    return jnp.broadcast_to(x, batch).reshape(-1, 1, 1, 1)
+    return jnp.broadcast_to(x[..., 0, 0, 0], batch).reshape(-1, 1, 1, 1)
+
+
+def _segments(x, batch, length_pad):
+    """int32 ids `(B…|1, 1, L, 1)` or `(B…|1, 1, 1, L)` -> `(B|1, 1, Lp)`, padded with
+    the last id (so that padding never widens a block's id range)."""
+    if x is None:
+        return None
+    x = x.reshape(x.shape[:-3] + (-1,))  # (B…|1, L)
+    x = x.reshape(1, -1) if all(d == 1 for d in x.shape[:-1]) else jnp.broadcast_to(x, batch + x.shape[-1:]).reshape(
+        -1, x.shape[-1])
+    return jnp.pad(x, ((0, 0), (0, length_pad - x.shape[-1])), mode="edge")[:, None, :]
 
 
 # Head dims up to this run one head at a time on CPU: measured forward+backward of
@@ -455,31 +507,23 @@ def one_cpu_device() -> bool:
     return jax.default_backend() == "cpu" and jax.device_count() == 1
 
 
-def run_engine(q, k, v, *, bias, mask, q_lengths, kv_lengths, is_causal, window, scale,
-               q_block: int, k_block: int, bad_kv=None):
-    """The engine on public layouts.
+def check_description(vis) -> None:
+    """TypeError unless `vis` is a `Visibility` (user-facing callers of the engine
+    go through `jax_mha.attention`, which validates and builds it)."""
+    if not isinstance(vis, Visibility):
+        raise TypeError(f"the engine takes a jax_mha._masking.Visibility (built by jax_mha.attention), got "
+                        f"{type(vis).__name__}; call jax_mha.attention(..., implementation='blockwise')")
 
-    Args:
-      q: `(B…, H, N, D)`; k: `(B…, K, S, D)`; v: `(B…, K, S, Dv)`; batch dims broadcast.
-      bias, mask: broadcastable to `(B…, H, N, S)`, or None (validated by the caller).
-      q_lengths, kv_lengths: int broadcastable to `(B…)`, or None.
-      is_causal, window, scale: see `jax_mha.attention`.
-      q_block, k_block: block sizes, at most N and S.
-      bad_kv: bool broadcastable to `(B…, K, S)`, keys whose key or value had a
-        non-finite entry (q, k, v themselves must be finite), or None.
 
-    Returns:
-      `(out (B…, H, N, Dv), lse (B…, H, N), touched (B…, H, N))`: out and lse in the
-      accumulation dtype (float32, or float64 for float64 inputs), lse +inf on rows
-      with no visible key, touched marking rows that may see a `bad_kv` key.
-    """
+def _prepare(q, k, v, vis: Visibility, *, scale, q_block: int, k_block: int, bad_kv):
+    """`(Plan, Arrays)`: the public layout moved into the engine's."""
     batch = tuple(jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
-    (heads, n, d), (kv_heads, s, dv) = q.shape[-3:], v.shape[-3:]
+    (heads, n, d), (kv_heads, s, _) = q.shape[-3:], v.shape[-3:]
     groups = heads // kv_heads
     n_pad, s_pad = -(-n // q_block) * q_block, -(-s // k_block) * k_block
     dtype = compute_dtype(q.dtype)
-    band = key_block_band(Visibility(n, s, is_causal, window), n_pad, q_block, k_block, s_pad // k_block)
-    plan = Plan(n, s, n_pad, s_pad, groups, q_block, k_block, band, is_causal, window,
+    band = key_block_band(vis, n_pad, q_block, k_block, s_pad // k_block)
+    plan = Plan(n, s, n_pad, s_pad, groups, q_block, k_block, band, vis.is_causal, vis.window,
                 float(scale), jnp.dtype(dtype).name, one_cpu_device() and d <= PER_HEAD_MAX_DIM)
     flat = lambda x: jnp.broadcast_to(x, batch + x.shape[-3:]).reshape((-1,) + x.shape[-3:])
     q_e = _pad(flat(q).reshape(-1, kv_heads, groups, n, d), 3, n_pad, 0)
@@ -487,11 +531,41 @@ def run_engine(q, k, v, *, bias, mask, q_lengths, kv_lengths, is_causal, window,
     k_e, v_e = (_pad(flat(x), 2, s_pad, 0) for x in (k, v))  # (B, K, Sp, D|Dv)
     a = Arrays(
         q_e, k_e, v_e,
-        _pairwise(bias, batch, heads, groups, n_pad, s_pad, 0),
-        _pairwise(mask, batch, heads, groups, n_pad, s_pad, False),
-        _lengths(q_lengths, batch), _lengths(kv_lengths, batch),
+        _pairwise(vis.bias, batch, heads, groups, n_pad, s_pad, 0),
+        _pairwise(vis.mask, batch, heads, groups, n_pad, s_pad, False),
+        _lengths(vis.q_lengths, batch), _lengths(vis.kv_lengths, batch),
         None if bad_kv is None else _pad(flat(bad_kv[..., None])[..., 0], 2, s_pad, False),
+        _segments(vis.q_segment_ids, batch, n_pad), _segments(vis.kv_segment_ids, batch, s_pad),
     )
+    return plan, a
+
+
+def run_engine(q, k, v, vis: Visibility, *, scale: float, q_block: int, k_block: int, bad_kv=None):
+    """The engine on public layouts.
+
+    Args:
+      q: `(B…, H, N, D)`; k: `(B…, K, S, D)`; v: `(B…, K, S, Dv)`; batch dims broadcast.
+      vis: the validated description (`jax_mha._masking.Visibility`, public layout,
+        default query offset S - N).
+      scale: the logit scale.
+      q_block, k_block: block sizes, at most N and S.
+      bad_kv: bool broadcastable to `(B…, K, S)`, keys whose key or value had a
+        non-finite entry (q, k, v themselves must be finite), or None.
+
+    Returns:
+      `(out (B…, H, N, Dv), lse (B…, H, N), touched (B…, H, N))`: out and lse (the
+      row log-sum-exp of the scaled logits) in the accumulation dtype (float32, or
+      float64 for float64 inputs), lse +inf on rows with no visible key, touched
+      marking rows that may see a `bad_kv` key.
+    """
+    check_description(vis)
+    if vis.q_offset is not None:
+        raise ValueError("the engine aligns queries at S - N; a q_offset needs the dense pattern (dense_allowed)")
+    batch = tuple(jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
+    (heads, n, _), (kv_heads, _, dv) = q.shape[-3:], v.shape[-3:]
+    groups = heads // kv_heads
+    plan, a = _prepare(q, k, v, vis, scale=scale, q_block=q_block, k_block=k_block, bad_kv=bad_kv)
+    n_pad = plan.n_pad
     out, lse, touched = _flash_jit(plan, a)
     rows = lambda x: x.reshape(-1, kv_heads, groups, n_pad)[..., :n].reshape(batch + (heads, n))
     out = out.reshape(-1, kv_heads, groups, n_pad, dv)[..., :n, :].reshape(batch + (heads, n, dv))

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mha._masking import canonical_window, fits
-from jax_mha.functional import attention, rotary_embedding
+from jax_mha import _masking
+from jax_mha.functional import _check_pairwise, attention, rotary_embedding
 
 
 class Cache(NamedTuple):
@@ -29,6 +29,7 @@ class Cache(NamedTuple):
     key: jax.Array  # (B…, K, L, D), keys after projection, QK-norm and RoPE
     value: jax.Array  # (B…, K, L, Dv)
     index: jax.Array  # int32 scalar: the number of tokens written so far
+    segment_ids: jax.Array | None = None  # int32 (B…, L): each cached token's segment, when kept
 
 
 def check_inputs(query, key=None, value=None):
@@ -64,39 +65,6 @@ def check_dropout_rate(rate, name: str = "dropout_rate"):
     return rate
 
 
-def check_size(name: str, value, *, optional: bool = False):
-    """`value`, validated as a positive int (None passes when `optional`).
-
-    Raises:
-      TypeError: naming the attribute, for a bool, float or other non-integer.
-      ValueError: naming the attribute, for zero or a negative size (a width of 0 would
-        reach the initialisers as a division by zero, a negative one XLA's shape check).
-    """
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be a positive int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value}")
-    return int(value)
-
-
-def layer_norm(norm, x: jax.Array, dtype, param_dtype) -> jax.Array:
-    """`norm(x)` (a flax LayerNorm built with `dtype=None`) with its result in `dtype`.
-
-    flax's LayerNorm with a float16/bfloat16 `dtype` promotes against float32 inside
-    (`jnp.promote_types`), which `jax_numpy_dtype_promotion="strict"` refuses. It
-    computes in float32 either way, so widening `x` to the parameters' dtype first and
-    casting the result after gives the same values under every promotion mode.
-    (Half-precision *parameters* remain out of reach under strict promotion: flax
-    promotes them against float32 statistics itself.)
-    """
-    if jnp.finfo(x.dtype).bits < jnp.finfo(param_dtype).bits:  # never narrows
-        x = x.astype(param_dtype)
-    y = norm(x)
-    return y if dtype is None else y.astype(dtype)
-
-
 def check_widths(inputs, widths) -> None:
     """Each input's feature width against the width its projection was built for.
 
@@ -114,25 +82,60 @@ def check_widths(inputs, widths) -> None:
                              f"(shape {x.shape})")
 
 
+def _half(dtype) -> bool:
+    return dtype is not None and jnp.dtype(dtype).itemsize < 4
+
+
+def norm_dtype(dtype):
+    """The `dtype` to build a flax LayerNorm with: None for float16/bfloat16 (see
+    `layer_norm`), else `dtype`."""
+    return None if _half(dtype) else dtype
+
+
+def layer_norm(norm, x, dtype):
+    """`norm(x)` for a flax LayerNorm (linen or NNX) built with `norm_dtype(dtype)`.
+
+    flax computes the statistics in `promote_types(norm.dtype or x.dtype, float32)`,
+    which raises under `jax_numpy_dtype_promotion="strict"` for half precision. So a
+    half-precision `x` or `dtype` is normalised as float32 and cast to `dtype`
+    afterwards: the same float32 arithmetic and final cast that flax does under
+    standard promotion."""
+    if not (_half(dtype) or _half(x.dtype)):
+        return norm(x)
+    y = norm(x.astype(jnp.float32))
+    return y if dtype is None else y.astype(dtype)
+
+
+def check_width(name: str, value, allow_none: bool = False):
+    """`value`, validated as a positive int (a layer width such as `d_model`, `d_ff`).
+
+    Raises:
+      TypeError: naming it, for a non-integer. ValueError: naming it, for value <= 0.
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return int(value)
+
+
 def head_sizes(num_heads: int, d_model: int, num_kv_heads: int | None) -> tuple[int, int]:
     """`(num_kv_heads, head_dim)` for `d_model = num_heads * head_dim`, validated.
 
     Raises:
-      ValueError: naming the numbers, when they do not divide.
+      ValueError, TypeError: naming the numbers, when one is not a positive int or
+        they do not divide.
     """
-    check_size("num_heads", num_heads)
-    check_size("d_model", d_model)
-    num_kv_heads = num_heads if num_kv_heads is None else check_size("num_kv_heads", num_kv_heads)
-    if d_model % num_heads:
+    num_heads = check_width("num_heads", num_heads)
+    d_model = check_width("d_model", d_model)
+    num_kv_heads = num_heads if num_kv_heads is None else check_width("num_kv_heads", num_kv_heads)
+    if num_heads < 1 or d_model % num_heads:
         raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
-    if num_heads % num_kv_heads:
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
     return num_kv_heads, d_model // num_heads
-
-
-def _check_broadcast(name: str, x, target: tuple) -> None:
-    if x is not None and (jnp.ndim(x) > len(target) or not fits(jnp.shape(x), target)):
-        raise ValueError(f"{name} of shape {jnp.shape(x)} does not broadcast to (B…, H, N, S) = {target}")
 
 
 def _and(a, b):
@@ -171,49 +174,52 @@ def _concrete_int(x) -> int | None:
         return None
 
 
-def write_cache(cache: Cache, k, v):
-    """Writes n new keys/values at `cache.index`.
+def write_cache(cache: Cache, k, v, segment_ids=None):
+    """Writes n new keys/values (and their segment ids, when the cache keeps them) at
+    `cache.index`.
 
     Returns:
       `(new cache, overflow)`: overflow is a traced bool, True when the n tokens did
       not fit (then `dynamic_update_slice` has clamped the write: the cache is wrong).
 
     Raises:
-      ValueError: for shapes that do not match the cache, or, when the index is
-        concrete (outside jit), for writing past the cache length.
+      ValueError: for shapes that do not match the cache, segment ids given to a
+        cache without them (or the reverse), or, when the index is concrete (outside
+        jit), for writing past the cache length.
     """
     length, n = cache.key.shape[-2], k.shape[-2]
     for name, new, old in (("key", k, cache.key), ("value", v, cache.value)):
         if new.shape[:-2] != old.shape[:-2] or new.shape[-1] != old.shape[-1]:
             raise ValueError(f"decoding {name} of shape {new.shape} does not fit the cache of shape {old.shape} "
                              "(B…, K, L, D): batch, heads and head dim must match the input given to init")
+    if (segment_ids is None) != (cache.segment_ids is None):
+        raise ValueError("segment_ids when decoding needs a cache made with segment_ids (and a cache made with "
+                         f"them needs them on every call): got segment_ids={'None' if segment_ids is None else 'ids'}, "
+                         f"cache keeps them: {cache.segment_ids is not None}")
     index = _concrete_int(cache.index)
     if n > length or (index is not None and index + n > length):
         raise ValueError(f"decoding past the cache: cache_index={index} + {n} new tokens > cache length {length} "
                          "(the length of the input given to init)")
     start = (0,) * (k.ndim - 2) + (cache.index, 0)
+    ids = cache.segment_ids
+    if ids is not None:
+        segment_ids = jnp.broadcast_to(jnp.asarray(segment_ids, jnp.int32), ids.shape[:-1] + (n,))
+        ids = jax.lax.dynamic_update_slice(ids, segment_ids, (0,) * (ids.ndim - 1) + (cache.index,))
     new = Cache(
         jax.lax.dynamic_update_slice(cache.key, k.astype(cache.key.dtype), start),
         jax.lax.dynamic_update_slice(cache.value, v.astype(cache.value.dtype), start),
-        cache.index + n,
+        cache.index + n, ids,
     )
     return new, cache.index + n > length
 
 
-def decode_visibility(index, n: int, length: int, window) -> jax.Array:
-    """bool `(n, L)`: key j is visible to new token t (at position index + t) iff
-    `j <= index + t` and, with a window, `j >= index + t - left`.
-
-    The core aligns queries bottom-right (at `L - n + t`); the cache puts them at
-    `index + t`, so decoding passes this pattern as a mask instead of `is_causal`.
-    A window's right side never matters here: causality is stricter.
-    """
-    rows = index + jnp.arange(n)[:, None]  # (n, 1): the tokens' positions
-    cols = jnp.arange(length)[None, :]  # (1, L)
-    visible = cols <= rows
-    if window is not None and window.left is not None:
-        visible = visible & (cols >= rows - window.left)
-    return visible
+def decode_pattern(index, n: int, length: int, local_window_size) -> jax.Array:
+    """bool `(n, L)`: who new token t (at position `index + t`) may see, read from
+    `_masking` with the query offset set to the cache index: causal, and the window
+    (whose right side never matters here: causality is stricter)."""
+    window = _masking.canonical_window(local_window_size)
+    vis = _masking.Visibility(n, length, is_causal=True, window=window, q_offset=index)
+    return _masking.dense_allowed(vis, 2)
 
 
 def prepend_extra_keys(k, v, mask, bias, kv_lengths, bias_kv, add_zero_attn: bool):
@@ -275,7 +281,7 @@ def gate_heads(out, head_mask):
 
 def attend(
     q, k, v, *, mask=None, bias=None, is_causal=False, local_window_size=None, q_lengths=None,
-    kv_lengths=None, positions=None, rope_base=None, cache: Cache | None = None, bias_kv=None,
+    kv_lengths=None, segment_ids=None, positions=None, rope_base=None, cache: Cache | None = None, bias_kv=None,
     add_zero_attn=False, head_mask=None, need_weights=False, **core_options,
 ):
     """Everything between the projections and the output projection.
@@ -285,6 +291,9 @@ def attend(
       mask, bias, is_causal, local_window_size, q_lengths, kv_lengths: as for
         `jax_mha.attention`. When decoding, S is the cache length L and the pattern is
         causal from `cache.index` whatever `is_causal` says.
+      segment_ids: int `(B…, N)` of a self-attention call (the core's
+        `q_segment_ids`, keys the same); when decoding, the new tokens' ids, matched
+        against the ids the cache keeps for every cached token.
       positions: RoPE positions `(N,)` or `(B…, N)`; see `rotate`.
       rope_base: None for no RoPE, else its wavelength base.
       cache: the decoding cache (k and v are then the N new tokens' keys and values).
@@ -300,25 +309,37 @@ def attend(
     if rope_base is not None:
         q, k = rotate(q, k, positions, None if cache is None else cache.index, rope_base)
     overflow = None
-    scores = q.shape[:-1] + ((cache.key if cache is not None else k).shape[-2],)  # (B…, H, N, S)
-    _check_broadcast("mask", mask, scores)
-    _check_broadcast("bias", bias, scores)
+    q_ids = kv_ids = None
+    if cache is not None or bias_kv is not None or add_zero_attn:
+        # This layer grows the mask (the decoding pattern, the extra keys): check it and
+        # the bias against the keys the caller knows first (the core checks every other call).
+        scores = q.shape[:-1] + ((k if cache is None else cache.key).shape[-2],)  # (B…, H, N, S)
+        mask = _check_pairwise("mask", mask, scores, floating=False)
+        bias = _check_pairwise("bias", bias, scores, floating=True)
     if cache is not None:
         if k.shape[-2] != q.shape[-2]:
             raise ValueError(f"decoding feeds as many keys as queries, got N={q.shape[-2]}, S={k.shape[-2]}")
-        window = canonical_window(local_window_size)
         old_index = cache.index
-        cache, overflow = write_cache(cache, k, v)
+        cache, overflow = write_cache(cache, k, v, segment_ids)
         k, v = cache.key, cache.value
-        mask = _and(mask, decode_visibility(old_index, q.shape[-2], k.shape[-2], window))
+        mask = _and(mask, decode_pattern(old_index, q.shape[-2], k.shape[-2], local_window_size))
+        if segment_ids is not None:  # the new tokens' segments against every cached token's
+            q_ids, kv_ids = segment_ids, cache.segment_ids
         is_causal, local_window_size = False, None
-    elif local_window_size is not None and (bias_kv is not None or add_zero_attn):
-        raise ValueError("local_window_size cannot be combined with add_bias_kv or add_zero_attn: the window "
-                         "would hide their extra keys from most queries")
+    else:
+        q_ids = segment_ids
+        if local_window_size is not None and (bias_kv is not None or add_zero_attn):
+            raise ValueError("local_window_size cannot be combined with add_bias_kv or add_zero_attn: the window "
+                             "would hide their extra keys from most queries")
+    if bias_kv is not None or add_zero_attn:
+        if segment_ids is not None:
+            raise ValueError("segment_ids cannot be combined with add_bias_kv or add_zero_attn: their extra keys "
+                             "belong to no segment")
     k, v, mask, bias, kv_lengths, extra = prepend_extra_keys(k, v, mask, bias, kv_lengths, bias_kv, add_zero_attn)
     result = attention(
         q, k, v, mask, bias, is_causal=is_causal, local_window_size=local_window_size,
-        q_lengths=q_lengths, kv_lengths=kv_lengths, return_weights=need_weights, **core_options,
+        q_lengths=q_lengths, kv_lengths=kv_lengths, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+        return_weights=need_weights, **core_options,
     )
     out, weights = result if need_weights else (result, None)
     if extra and weights is not None:

@@ -1,18 +1,22 @@
 """The one description of which (query, key) pairs may attend, and with what bias.
 
-Every attention path reads a `Visibility`: the reference builds it whole
-(`dense_allowed`), the blockwise engine evaluates it one `(rows, keys)` block at a
-time (`block_allowed`) and skips the key blocks it rules out (`key_block_range`),
-and the cuDNN path translates it to `jax.nn.dot_product_attention`'s arguments.
+`jax_mha.attention` validates its arguments and builds one `Visibility` (a frozen
+dataclass, a pytree whose arrays are leaves); every path reads that object: the
+reference builds the pattern whole (`dense_allowed`), the blockwise engine evaluates it
+one `(rows, keys)` block at a time (`block_allowed`) and skips the key blocks it rules
+out (`key_range`, segment-id ranges), and the cuDNN path translates it to
+`jax.nn.dot_product_attention`'s arguments. Decoding with a cache reads it too, with
+the query offset set to the cache index (`jax_mha._layer`).
 
-Query `i` sits at key position `i + offset` with `offset = S - N`: the queries are
-the last N of S positions (bottom-right alignment, as `causal_mask` and decoding with
-a cache; `jax.nn` aligns top-left, which is the same when N == S). Then key `j` is
-visible to query `i` iff all of:
+Query `i` sits at key position `i + offset`, by default `offset = S - N`: the queries
+are the last N of S positions (bottom-right alignment, as `causal_mask`; `jax.nn`
+aligns top-left, which is the same when N == S). Then key `j` is visible to query `i`
+iff all of:
 
 * `j <= i + offset`                              (is_causal)
 * `i + offset - left <= j <= i + offset + right`  (local_window_size, a side None = unbounded)
 * `i < q_lengths[b]` and `j < kv_lengths[b]`      (per-sequence lengths)
+* `q_segment_ids[b, i] == kv_segment_ids[b, j]`   (packed sequences)
 * `mask[..., i, j]`                               (explicit boolean mask)
 
 A query row beyond its `q_lengths` is padding: its output is zero whatever the
@@ -22,6 +26,7 @@ A query row beyond its `q_lengths` is padding: its output is zero whatever the
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -35,18 +40,34 @@ class Window(NamedTuple):
     right: int | None
 
 
+_STATIC = ("n", "s", "is_causal", "window")
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["mask", "bias", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids", "q_offset"],
+    meta_fields=list(_STATIC),
+)
 @dataclasses.dataclass(frozen=True)
 class Visibility:
-    """Which pairs may attend. Static parts are Python values; arrays are traced.
+    """Which pairs may attend, and the bias added to their logits. Static parts are
+    Python values (pytree metadata); arrays are leaves (traced under jit).
+
+    `jax_mha.attention` builds it once, in the public layout below (`public`); the
+    blockwise engine keeps a copy of the arrays in its own layout (`jax_mha._flash`).
 
     Attributes:
       n, s: query and key lengths N and S.
-      is_causal: the causal pattern (bottom-right aligned).
+      is_causal: the causal pattern (bottom-right aligned, see `offset`).
       window: a `Window`, or None for no window.
-      mask: bool, broadcastable to the scores; True = may attend. Its layout is the
-        caller's (the engine keeps `(B|1, K|1, G|1, N|1, S|1)`).
-      q_lengths, kv_lengths: int32, broadcastable to the scores' batch axes (with
-        size-1 trailing axes so that they broadcast like `mask`).
+      mask: bool broadcastable to `(B…, H, N, S)`, True = may attend, or None.
+      bias: float broadcastable to `(B…, H, N, S)`, added to the scaled logits, or None.
+      q_lengths, kv_lengths: int32 `(B…|1, 1, 1, 1)` (`lengths_at_rank`), or None.
+      q_segment_ids: int32 `(B…|1, 1, N, 1)`; kv_segment_ids: int32 `(B…|1, 1, 1, S)`
+        (`segments_at_rank`); both or neither.
+      q_offset: the key position of query 0, an int or a traced int scalar; None
+        means `S - N`. Only the dense evaluation (`dense_allowed`) accepts a traced
+        one (decoding: the cache index); `attention` always uses the default.
     """
 
     n: int
@@ -54,13 +75,22 @@ class Visibility:
     is_causal: bool = False
     window: Window | None = None
     mask: jax.Array | None = None
+    bias: jax.Array | None = None
     q_lengths: jax.Array | None = None
     kv_lengths: jax.Array | None = None
+    q_segment_ids: jax.Array | None = None
+    kv_segment_ids: jax.Array | None = None
+    q_offset: int | jax.Array | None = None
 
     @property
-    def offset(self) -> int:
-        """Key position of query 0: S - N (queries are the last N positions)."""
-        return self.s - self.n
+    def offset(self):
+        """Key position of query 0: `q_offset`, by default S - N (the queries are the
+        last N positions)."""
+        return self.s - self.n if self.q_offset is None else self.q_offset
+
+    @property
+    def segmented(self) -> bool:
+        return self.q_segment_ids is not None
 
     @property
     def has_pattern(self) -> bool:
@@ -73,7 +103,9 @@ class Visibility:
         window restrict (no mask, no lengths) and they leave every row a key. The
         visible range `[lo, hi)` of row `i` moves right with `i` and keeps its
         unclipped width, so rows 0 and N - 1 are the only ones that can lose it."""
-        if self.mask is not None or self.q_lengths is not None or self.kv_lengths is not None:
+        if self.mask is not None or self.q_lengths is not None or self.kv_lengths is not None or self.segmented:
+            return False
+        if not isinstance(self.offset, int):
             return False
         if self.n == 0 or self.s == 0:
             return False
@@ -84,7 +116,7 @@ class Visibility:
     def restricts(self) -> bool:
         """False when every pair may attend (nothing to evaluate)."""
         return (
-            self.has_pattern or self.mask is not None
+            self.has_pattern or self.mask is not None or self.segmented
             or self.q_lengths is not None or self.kv_lengths is not None
         )
 
@@ -109,16 +141,18 @@ def positional(vis: Visibility, rows: jax.Array, cols: jax.Array) -> jax.Array |
 
 
 def block_allowed(
-    vis: Visibility, rows: jax.Array, cols: jax.Array, mask_block: jax.Array | None, rank: int
+    vis: Visibility, rows: jax.Array, cols: jax.Array, mask_block: jax.Array | None, rank: int,
+    segments: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array | None:
     """Bool for one block of scores, or None when every pair in it may attend.
 
     Args:
-      vis: the description.
+      vis: the description (its lengths broadcast against the block).
       rows: int `(bq, 1)`, query positions of the block.
       cols: int `(1, bk)`, key positions of the block.
       mask_block: the explicit mask already sliced to this block (rank `rank`), or None.
       rank: rank of the score block, e.g. 4 for `(B, K, bq, bk)`.
+      segments: `(q ids (…, bq, 1), kv ids (…, 1, bk))` sliced to this block, or None.
 
     Returns:
       bool broadcastable to the score block, True = may attend.
@@ -132,6 +166,8 @@ def block_allowed(
         parts.append(lift(rows) < vis.q_lengths)
     if vis.kv_lengths is not None:
         parts.append(lift(cols) < vis.kv_lengths)
+    if segments is not None:
+        parts.append(lift(segments[0]) == lift(segments[1]))
     if mask_block is not None:
         parts.append(lift(mask_block))
     if not parts:
@@ -143,10 +179,12 @@ def block_allowed(
 
 
 def dense_allowed(vis: Visibility, rank: int) -> jax.Array | None:
-    """The whole `(…, N, S)` boolean pattern (for the reference path), or None."""
+    """The whole `(…, N, S)` boolean pattern of rank `rank` (the reference path,
+    cuDNN's translation, decoding), or None when every pair may attend."""
     rows = jnp.arange(vis.n)[:, None]
     cols = jnp.arange(vis.s)[None, :]
-    return block_allowed(vis, rows, cols, vis.mask, rank)
+    segments = (vis.q_segment_ids, vis.kv_segment_ids) if vis.segmented else None
+    return block_allowed(vis, rows, cols, vis.mask, rank, segments)
 
 
 def key_range(vis: Visibility, first_row, last_row, s: int):
@@ -217,6 +255,23 @@ def lengths_at_rank(lengths, batch_rank: int):
     return lengths.reshape((1,) * (batch_rank - lengths.ndim) + lengths.shape + (1, 1, 1))
 
 
+def segments_at_rank(q_ids, kv_ids, batch_rank: int):
+    """int ids `(B…|…, N)` and `(B…|…, S)` -> int32 `(B…|1, 1, N, 1)` and
+    `(B…|1, 1, 1, S)`, broadcasting against `(B…, H, N, S)` scores; None stays None."""
+    if q_ids is None:
+        return None, None
+    lift = lambda x: x.astype(jnp.int32).reshape((1,) * (batch_rank + 1 - x.ndim) + x.shape[:-1] + (1, 1) + x.shape[-1:])
+    q = lift(jnp.asarray(q_ids))  # (B…|1, 1, 1, N)
+    return jnp.swapaxes(q, -1, -2), lift(jnp.asarray(kv_ids))
+
+
+def compute_dtype(dtype):
+    """float32, or float64 for float64 inputs: the dtype softmax and accumulation run
+    in. (Not `jnp.promote_types(dtype, float32)`, which raises under
+    `jax_numpy_dtype_promotion="strict"` for float16 and bfloat16.)"""
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+
+
 def fits(shape, target) -> bool:
     """Whether `shape` broadcasts to exactly `target`."""
     try:
@@ -231,6 +286,6 @@ def num_blocks(length: int, block: int) -> int:
 
 
 __all__ = [
-    "Visibility", "Window", "block_allowed", "canonical_window", "dense_allowed", "fits",
-    "key_block_band", "key_range", "lengths_at_rank", "num_blocks", "positional",
+    "Visibility", "Window", "block_allowed", "canonical_window", "compute_dtype", "dense_allowed", "fits",
+    "key_block_band", "key_range", "lengths_at_rank", "num_blocks", "positional", "segments_at_rank",
 ]

@@ -2,7 +2,8 @@
 
 scores -> mask -> float32 softmax -> zeros for empty rows -> weights · v. The math runs
 in float32 whatever the input dtype (float64 stays float64), so gradients cannot
-overflow in float16. It is also the path that returns the weights (and drops them out).
+overflow in float16. It is also the path that returns the weights (dropout on them is
+applied by the caller, `jax_mha.functional._weights_path`).
 Inputs are finite here: the dispatcher (`jax_mha.functional`) replaces non-finite
 entries and marks the rows that see them.
 """
@@ -12,14 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-
-def compute_dtype(dtype) -> jnp.dtype:
-    """float64 for float64, else float32: the dtype the logits and softmax run in.
-
-    Written out rather than `jnp.promote_types(dtype, float32)`, which raises under
-    `jax_numpy_dtype_promotion="strict"` for float16 and bfloat16 inputs.
-    """
-    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+from jax_mha._masking import compute_dtype
 
 
 def reference_weights(q, k, allowed=None, bias=None, *, scale: float, rows_see_keys: bool = False):
@@ -67,9 +61,3 @@ def mix(weights, v):
     v = jnp.repeat(v, weights.shape[-3] // v.shape[-3], axis=-3).astype(weights.dtype)  # (B…, H, S, Dv)
     return jnp.einsum("...hns,...hsd->...hnd", weights, v)
 
-
-def reference_attention(q, k, v, allowed=None, bias=None, *, scale: float):
-    """`(out (B…, H, N, Dv), weights, empty)`: `reference_weights`, then `mix`;
-    empty rows output 0."""
-    weights, empty = reference_weights(q, k, allowed, bias, scale=scale)
-    return mix(weights, v), weights, empty

@@ -3,9 +3,16 @@
 The tuned engine (`jax_mha._flash`) in blocks, so that no `N x S` array exists in the
 forward or the backward pass: peak memory is `O(B·H·(N + S)·D + B·H·q_block·k_block)`
 plus any `mask`/`bias` the caller holds.
-Key blocks that causality, a window, the lengths or an all-False mask block rule out
-are skipped, so causal attention does about half the work and a sliding window work
-proportional to N·window.
+Key blocks that causality, a window, the lengths, the segment ids or an all-False mask
+block rule out are skipped, so causal attention does about half the work and a sliding
+window work proportional to N·window.
+
+Segment ids (packed sequences): a key block is skipped when the range
+`[min, max]` of its keys' ids does not meet the query block's range. For sorted ids
+(the packed layout: documents one after another) the ranges are tight and each query
+block visits only the key blocks of its own documents, about `N·doc_len` work instead
+of `N·S`. Unsorted ids are still exact (every visited block is masked pair by pair),
+but their ranges overlap more often, so fewer blocks are skipped.
 
 Default blocks (`default_blocks`): 2048 query rows x 256 keys without a causal or
 window pattern, 512 x 512 with one. On one CPU device the engine runs one head at a
@@ -21,7 +28,8 @@ CPU, (B, H, D) = (1, 8, 64), seconds: N=2048, 2048 x 256 0.29, 1024 x 256 0.30, 
 
 from __future__ import annotations
 
-from jax_mha._flash import run_engine
+from jax_mha._flash import check_description, run_engine
+from jax_mha._masking import Visibility
 
 QUERY_BLOCK_SIZE, KEY_BLOCK_SIZE = 2048, 256  # without a pattern to skip by
 PATTERN_BLOCK_SIZE = 512  # square blocks with a causal or window pattern
@@ -51,15 +59,25 @@ def default_blocks(is_causal: bool, window) -> tuple[int, int]:
     return QUERY_BLOCK_SIZE, KEY_BLOCK_SIZE
 
 
-def run_blockwise(q, k, v, *, query_block_size=None, key_block_size=None, **description):
+def run_blockwise(q, k, v, vis: Visibility, *, scale: float, query_block_size=None, key_block_size=None,
+                        bad_kv=None):
     """`run_engine` with blocks of at most `query_block_size x key_block_size`
-    (clamped to N and S; None: `default_blocks`); returns `(out, lse, touched)`.
-    Internal: `description` is the one `attention` builds."""
+    (clamped to N and S; None: `default_blocks`).
+
+    Args:
+      q: `(B…, H, N, D)`; k: `(B…, K, S, D)`; v: `(B…, K, S, Dv)`, finite.
+      vis: the description (`jax_mha._masking.Visibility`, public layout).
+      scale, bad_kv: see `run_engine`.
+
+    Returns:
+      `(out (B…, H, N, Dv), lse (B…, H, N), touched (B…, H, N))`, as `run_engine`.
+    """
+    check_description(vis)
     n, s = q.shape[-2], k.shape[-2]
-    q_default, k_default = default_blocks(description["is_causal"], description["window"])
+    q_default, k_default = default_blocks(vis.is_causal, vis.window)
     q_block = q_default if query_block_size is None else query_block_size
     k_block = k_default if key_block_size is None else key_block_size
-    return run_engine(q, k, v, q_block=min(q_block, n), k_block=min(k_block, s), **description)
+    return run_engine(q, k, v, vis, scale=scale, q_block=min(q_block, n), k_block=min(k_block, s), bad_kv=bad_kv)
 
 
 def blockwise_attention(q, k, v, mask=None, bias=None, *, query_block_size=None, key_block_size=None, **kwargs):
@@ -68,14 +86,16 @@ def blockwise_attention(q, k, v, mask=None, bias=None, *, query_block_size=None,
     Args:
       q, k, v, mask, bias: as in `jax_mha.attention` (`q (B…, H, N, D)`,
         `k, v (B…, K, S, D)`).
-      query_block_size, key_block_size: the largest blocks; None: `default_blocks`.
+      query_block_size: the largest query block; None: `default_blocks`.
+      key_block_size: the largest key block; None: `default_blocks`.
       **kwargs: every other keyword of `jax_mha.attention`.
 
     Returns:
       `out (B…, H, N, D)`, as `attention` does.
 
     Raises:
-      ValueError, TypeError: as `attention`, naming the bad argument.
+      ValueError: as `attention`, naming the bad argument.
+      TypeError: as `attention`; also for an `implementation` argument.
     """
     from jax_mha.functional import attention  # functional imports this module
 

@@ -3,7 +3,8 @@
 The public layer of the core. Beneath it (each file tested against the one below):
 
   _reference.py   the plain attention, one screen: the source of truth every path is
-                  tested against, and the path that returns (and drops out) weights
+                  tested against, and the path that returns the weights (dropout on
+                  them is applied here, in `_weights_path`)
   _masking.py     the one description of which (query, key) pairs may attend
   _flash.py       the tuned engine: query blocks x key blocks, online softmax, one
                   custom JVP whose transpose is the FlashAttention-2 backward
@@ -16,7 +17,10 @@ Axis letters used in shapes and einsum strings:
   H query heads, K key/value heads (H % K == 0), G = H // K heads per group,
   D head dim.
 
-Every function here is safe under jit, vmap, grad, vjp, jvp, jacfwd and hessian.
+Every function here is safe under jit, vmap, grad, vjp, jvp, jacfwd and hessian,
+except the vendor-kernel paths of `attention`: `"cudnn"` (and the Pallas kernels,
+as their translators document) have a custom VJP only, so reverse mode (`grad`,
+`vjp`) but no `jvp`/`jacfwd`.
 """
 
 from __future__ import annotations
@@ -29,10 +33,10 @@ import jax.numpy as jnp
 
 from jax_mha import _masking
 from jax_mha._cudnn import cudnn_attention, cudnn_problem
-from jax_mha._reference import compute_dtype, mix, reference_weights
+from jax_mha._reference import mix, reference_weights
 from jax_mha.blockwise import run_blockwise
 
-IMPLEMENTATIONS = ("xla", "blockwise", "cudnn", "auto")
+IMPLEMENTATIONS = ("xla", "blockwise", "cudnn", "pallas_tpu", "pallas_gpu", "auto")
 EMPTY_ROWS = ("zero", "uniform")
 
 # The "xla" path builds the whole float32 scores `(B…, H, N, S)` (the reference, plain
@@ -72,16 +76,6 @@ def _index(name: str, value) -> int:
         raise TypeError(f"{name} must be an int, got {value!r}") from None
 
 
-def _check_array(name: str, x) -> None:
-    """A TypeError naming `name` unless `x` is an array (JAX, NumPy, or a tracer).
-
-    jax.numpy's own reductions refuse Python lists the same way: a nested list is
-    ambiguous (ragged, or of mixed types) and converting one silently hides a slip.
-    """
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-
-
 def split_heads(x: jax.Array, num_heads: int) -> jax.Array:
     """Splits the feature axis into heads.
 
@@ -93,11 +87,11 @@ def split_heads(x: jax.Array, num_heads: int) -> jax.Array:
       `(B…, H, N, D)`; head `h` is features `h*D:(h+1)*D` of `x`.
 
     Raises:
-      TypeError: if `x` is not an array or `num_heads` not an int.
       ValueError: if `x` has rank < 2 or its last dim is not divisible by `num_heads`.
     """
-    _check_array("split_heads x", x)
     num_heads = _index("num_heads", num_heads)
+    if not hasattr(x, "ndim") or not hasattr(x, "reshape"):
+        raise TypeError(f"split_heads expects an array (B…, N, H*D), got {type(x).__name__}")
     if x.ndim < 2:
         raise ValueError(f"split_heads expects (B…, N, H*D), got rank {x.ndim} shape {x.shape}")
     if num_heads < 1 or x.shape[-1] % num_heads:
@@ -120,10 +114,10 @@ def combine_heads(x: jax.Array) -> jax.Array:
       `(B…, N, H*D)`.
 
     Raises:
-      TypeError: if `x` is not an array.
       ValueError: if `x` has rank < 3.
     """
-    _check_array("combine_heads x", x)
+    if not hasattr(x, "ndim") or not hasattr(x, "reshape"):
+        raise TypeError(f"combine_heads expects an array (B…, H, N, D), got {type(x).__name__}")
     if x.ndim < 3:
         raise ValueError(f"combine_heads expects (B…, H, N, D), got rank {x.ndim} shape {x.shape}")
     *lead, h, n, d = x.shape
@@ -187,11 +181,10 @@ def lengths_mask(kv_lengths: jax.Array, s: int) -> jax.Array:
     """
     s = _index("lengths_mask s", s)
     if s < 0:
-        raise ValueError(f"lengths_mask s must be >= 0, got {s}")
+        raise ValueError(f"lengths_mask needs a non-negative key length, got s={s}")
     kv_lengths = _check_lengths("kv_lengths", kv_lengths, None)[..., None, None, None]  # (B…, 1, 1, 1)
     # Explicit ranks: the library runs under jax_numpy_rank_promotion="raise".
     return jax.lax.broadcast_to_rank(jnp.arange(s), kv_lengths.ndim) < kv_lengths
-
 
 
 
@@ -211,7 +204,7 @@ def attention_entropy(weights: jax.Array) -> jax.Array:
     weights = jnp.asarray(weights)
     if not jnp.issubdtype(weights.dtype, jnp.floating):
         raise DTypeError(f"attention_entropy expects floating weights, got dtype {weights.dtype}")
-    w = weights.astype(compute_dtype(weights.dtype))
+    w = weights.astype(_masking.compute_dtype(weights.dtype))
     zero = w == 0
     # The inner where keeps log's gradient finite at w == 0; NaN is not 0, so it stays.
     w_log_w = jnp.where(zero, 0.0, w * jnp.log(jnp.where(zero, 1.0, w)))
@@ -250,7 +243,7 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, base: float = 10000.0) 
     if not base > 0:
         raise ValueError(f"base must be > 0, got {base}")
     half = x.shape[-1] // 2
-    dtype = compute_dtype(x.dtype)
+    dtype = _masking.compute_dtype(x.dtype)
     freq = jnp.asarray(base, dtype) ** (-jnp.arange(half, dtype=dtype) * 2 / x.shape[-1])  # (D/2,)
     angle = positions.astype(dtype)[..., None] * jax.lax.broadcast_to_rank(freq, positions.ndim + 1)  # (B…, N, D/2)
     angle = jax.lax.broadcast_to_rank(angle[..., None, :, :], x.ndim)  # (B…, 1, N, D/2)
@@ -318,6 +311,31 @@ def _check_lengths(name: str, x, batch: tuple | None):
     return x
 
 
+def _check_segments(q_ids, kv_ids, batch: tuple, n: int, s: int):
+    """`(q ids (B…|…, N), kv ids (B…|…, S))` validated, kv defaulting to q when
+    N == S; `(None, None)` when neither is given."""
+    if q_ids is None and kv_ids is None:
+        return None, None
+    if q_ids is None:
+        raise ValueError("kv_segment_ids needs q_segment_ids too (a query's segment is not known otherwise)")
+    if kv_ids is None:
+        if n != s:
+            raise ValueError(f"kv_segment_ids defaults to q_segment_ids only for self-attention (N == S); got "
+                             f"N={n} queries and S={s} keys: pass kv_segment_ids")
+        kv_ids = q_ids
+    out = []
+    for name, ids, length in (("q_segment_ids", q_ids, n), ("kv_segment_ids", kv_ids, s)):
+        ids = jnp.asarray(ids)
+        if not jnp.issubdtype(ids.dtype, jnp.integer) or ids.dtype == jnp.bool_:
+            raise DTypeError(f"{name} must be integers, got dtype {ids.dtype}")
+        if ids.ndim < 1 or ids.shape[-1] != length or ids.ndim - 1 > len(batch) or not _masking.fits(
+                ids.shape[:-1], batch[len(batch) - ids.ndim + 1:]):
+            letter = "N" if name.startswith("q") else "S"
+            raise ValueError(f"{name} of shape {ids.shape} does not broadcast to (B…, {letter}) = {batch + (length,)}")
+        out.append(ids)
+    return tuple(out)
+
+
 def _check_options(scale, dropout_rate, dropout_rng, deterministic, empty_rows, is_causal, d):
     """The scalar options; returns the scale as a Python float."""
     if empty_rows not in EMPTY_ROWS:
@@ -341,21 +359,32 @@ def _check_options(scale, dropout_rate, dropout_rng, deterministic, empty_rows, 
     return scale
 
 
+def _platform() -> str:
+    """The default backend's platform, `"cpu"`, `"gpu"` or `"tpu"` (a function so that
+    tests can pretend to be on another platform)."""
+    return jax.default_backend()
+
+
 def resolve_implementation(
-    q, k, v, *, implementation: str | None = "auto", return_weights: bool = False, dropout: bool = False
+    q, k, v, *, implementation: str | None = "auto", return_weights: bool = False, dropout: bool = False,
+    unfused: bool = False,
 ) -> str:
     """The path `attention` takes for these inputs: `implementation` itself, or for
-    `"auto"`/None the fastest valid one (cuDNN on a GPU when the inputs allow it,
-    `"xla"` while the whole scores fit `WHOLE_SCORES_MAX_BYTES`, else `"blockwise"`).
+    `"auto"`/None the fastest valid one by platform: on a TPU `"pallas_tpu"`; on a GPU
+    `"cudnn"` when the inputs allow it, else `"pallas_gpu"`; elsewhere, and whenever
+    the caller needs the weights, dropout or a part a kernel cannot express (`unfused`),
+    `"xla"` while the whole scores fit `WHOLE_SCORES_MAX_BYTES`, else `"blockwise"`.
 
     Args:
       q, k, v: arrays or `jax.ShapeDtypeStruct`s shaped as for `attention`.
       implementation: as for `attention`.
       return_weights: whether the caller needs the weights (only `"xla"` builds them).
       dropout: whether dropout on the weights is active.
+      unfused: whether the description has a part the Pallas kernels refuse (a dense
+        mask or bias); "auto" then keeps to the pure-JAX paths.
 
     Returns:
-      One of `"xla"`, `"blockwise"`, `"cudnn"`.
+      One of `IMPLEMENTATIONS` other than `"auto"`.
 
     Raises:
       ValueError: for an unknown implementation name.
@@ -366,11 +395,25 @@ def resolve_implementation(
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
     if implementation != "auto":
         return implementation
-    if cudnn_problem(q, k, v, dropout, return_weights) is None:
+    platform = _platform()
+    plain = not (return_weights or dropout)
+    if platform == "gpu" and cudnn_problem(q, k, v, dropout, return_weights) is None:
         return "cudnn"
-    if not (return_weights or dropout or whole_scores_fit(q, k)):
+    if plain and not unfused and platform in ("tpu", "gpu"):
+        return "pallas_" + platform
+    if plain and not whole_scores_fit(q, k):
         return "blockwise"
     return "xla"
+
+
+def _kernel_cannot_express(vis: _masking.Visibility, empty_rows: str) -> bool:
+    """Whether `"auto"` must keep away from the Pallas kernel of this platform: a
+    dense mask or bias, the uniform empty-row policy (neither kernel), and on a GPU
+    also a window or lengths (the Triton kernel takes causality and segment ids only)."""
+    if vis.mask is not None or vis.bias is not None or empty_rows != "zero":
+        return True
+    return _platform() == "gpu" and (vis.window is not None or vis.q_lengths is not None
+                                     or vis.kv_lengths is not None)
 
 
 def _check_path(path, q, k, v, dropout, return_weights):
@@ -407,20 +450,14 @@ def _sanitize(q, k, v):
     return (*clean, bad_q, bad_kv)
 
 
-def _weights_path(q, k, v, bad_kv, desc, scale, dropout_rate, dropout_rng):
+def _weights_path(q, k, v, bad_kv, vis, scale, dropout_rate, dropout_rng):
     """The reference path: `(out, weights, empty, touched)`, dropout on the weights."""
-    batch_rank = q.ndim - 3
-    vis = _masking.Visibility(
-        q.shape[-2], k.shape[-2], desc["is_causal"], desc["window"], desc["mask"],
-        _masking.lengths_at_rank(desc["q_lengths"], batch_rank),
-        _masking.lengths_at_rank(desc["kv_lengths"], batch_rank),
-    )
     allowed = _masking.dense_allowed(vis, q.ndim)
-    bias = None if desc["bias"] is None else jax.lax.broadcast_to_rank(desc["bias"], q.ndim)
+    bias = None if vis.bias is None else jax.lax.broadcast_to_rank(vis.bias, q.ndim)
     weights, empty = reference_weights(q, k, allowed, bias, scale=scale, rows_see_keys=vis.every_row_sees_a_key)
     if dropout_rate > 0.0:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
-        weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+        weights = jnp.where(keep, weights / jnp.asarray(1.0 - dropout_rate, weights.dtype), 0.0)
     groups = q.shape[-3] // k.shape[-3]
     out = mix(weights, v)  # (B…, H, N, Dv)
     sees_bad = jnp.repeat(bad_kv, groups, axis=-2)[..., None, :]  # (B…, H, 1, S)
@@ -429,7 +466,8 @@ def _weights_path(q, k, v, bad_kv, desc, scale, dropout_rate, dropout_rng):
 
 
 def _finish(out, weights, empty, poisoned, v, bad_kv, q_lengths, empty_rows):
-    """The empty-row policy, NaN for poisoned rows, zeros past `q_lengths`."""
+    """The empty-row policy, NaN for poisoned rows, zeros past `q_lengths` (int32
+    `(B…|1, 1, 1, 1)`, the description's, or None)."""
     *batch, h, n, _ = out.shape
     s = v.shape[-2]
     poisoned = poisoned & ~empty
@@ -448,7 +486,7 @@ def _finish(out, weights, empty, poisoned, v, bad_kv, q_lengths, empty_rows):
     if weights is not None:
         weights = jnp.where(poisoned, jnp.nan, weights)
     if q_lengths is not None:
-        lengths = _masking.lengths_at_rank(q_lengths, len(batch))[..., 0]  # (B…, 1, 1)
+        lengths = q_lengths[..., 0]  # (B…|1, 1, 1)
         row_ok = jax.lax.broadcast_to_rank(jnp.arange(n), lengths.ndim) < lengths  # (B…, 1, N)
         out = jnp.where(row_ok[..., None], out, 0.0)
         if weights is not None:
@@ -468,6 +506,8 @@ def attention(
     local_window_size: int | tuple[int | None, int | None] | None = None,
     q_lengths: jax.Array | None = None,
     kv_lengths: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
     empty_rows: str = "zero",
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
@@ -505,6 +545,12 @@ def attention(
         it are padding and output 0 (as jax.nn's `query_seq_lengths`).
       kv_lengths: int, broadcastable to `(B…)`: valid keys per sequence (jax.nn's
         `key_value_seq_lengths`); never materialised as a mask on the tuned paths.
+      q_segment_ids: int `(B…, N)` (leading dims broadcast): the segment (document)
+        of each query, for packed sequences; query `i` sees key `j` only when
+        `q_segment_ids[i] == kv_segment_ids[j]`. Never materialised as an `(N, S)`
+        mask on the blockwise path, which skips key blocks whose id range cannot meet
+        the query block's (see `jax_mha.blockwise`).
+      kv_segment_ids: int `(B…, S)`; defaults to `q_segment_ids` when N == S.
       empty_rows: what a query with no visible key outputs: `"zero"` (default; zeros
         in the output, the weights and every gradient) or `"uniform"` (the mean of all
         S values, weights 1/S: what flax and jax.nn return).
@@ -516,8 +562,12 @@ def attention(
       implementation: `"xla"` (the whole scores built and differentiated as written,
         as jax.nn's "xla"; the blockwise engine once they would pass
         `WHOLE_SCORES_MAX_BYTES`), `"blockwise"` (memory linear in N; skips blocks that
-        causality or the window rule out), `"cudnn"` (jax.nn's fused GPU kernel;
-        reverse-mode only), or `"auto"`/None (`resolve_implementation`).
+        causality, the window, the lengths or the segment ids rule out), `"cudnn"`
+        (jax.nn's fused GPU kernel; reverse-mode only), `"pallas_tpu"` (splash
+        attention) or `"pallas_gpu"` (the Triton FlashAttention kernel), each of
+        which runs in Pallas interpret mode off its platform and raises ValueError
+        naming a part of the description it cannot express, or `"auto"`/None
+        (`resolve_implementation`: by platform; on CPU `"xla"`).
       query_block_size: the blockwise path's block size over queries; None picks
         it (`jax_mha.blockwise.default_blocks`: 2048 x 256, 512 x 512 when causal or
         windowed, smaller for a narrow window).
@@ -530,48 +580,88 @@ def attention(
 
     Raises:
       TypeError: for integer, complex or mixed dtypes, a non-boolean mask, a
-        non-floating bias, non-integer lengths or a bad `local_window_size`.
-      ValueError: for shapes that do not fit (naming them), an unknown implementation
+        non-floating bias, non-integer lengths or segment ids, or a bad
+        `local_window_size`.
+      ValueError: for shapes that do not fit (naming them), `kv_segment_ids` left
+        out when N != S, an unknown implementation
         or one that cannot run these inputs, a bad option, or dropout without a key.
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     batch = _check_qkv(q, k, v)
-    scores = batch + q.shape[-3:-1] + (k.shape[-2],)
-    desc = dict(
+    n, s = q.shape[-2], k.shape[-2]
+    scores = batch + q.shape[-3:-1] + (s,)
+    q_ids, kv_ids = _check_segments(q_segment_ids, kv_segment_ids, batch, n, s)
+    q_lengths = _check_lengths("q_lengths", q_lengths, batch)
+    kv_lengths = _check_lengths("kv_lengths", kv_lengths, batch)
+    rank = len(batch)
+    vis = _masking.Visibility(
+        n, s, bool(is_causal), _masking.canonical_window(local_window_size),
         mask=_check_pairwise("mask", mask, scores, floating=False),
         bias=_check_pairwise("bias", bias, scores, floating=True),
-        q_lengths=_check_lengths("q_lengths", q_lengths, batch),
-        kv_lengths=_check_lengths("kv_lengths", kv_lengths, batch),
-        is_causal=bool(is_causal), window=_masking.canonical_window(local_window_size),
+        q_lengths=_masking.lengths_at_rank(q_lengths, rank), kv_lengths=_masking.lengths_at_rank(kv_lengths, rank),
+        **dict(zip(("q_segment_ids", "kv_segment_ids"), _masking.segments_at_rank(q_ids, kv_ids, rank))),
     )
     scale = _check_options(scale, dropout_rate, dropout_rng, deterministic, empty_rows, is_causal, q.shape[-1])
     dropout = dropout_rate > 0.0 and not deterministic
-    path = resolve_implementation(q, k, v, implementation=implementation, return_weights=return_weights, dropout=dropout)
+    path = resolve_implementation(q, k, v, implementation=implementation, return_weights=return_weights,
+                                  dropout=dropout, unfused=_kernel_cannot_express(vis, empty_rows))
     _check_path(path, q, k, v, dropout, return_weights)
+    if path.startswith("pallas_"):
+        return _pallas(path, q, k, v, vis, scale=scale, q_ids=q_ids, kv_ids=kv_ids, q_lengths=q_lengths,
+                       kv_lengths=kv_lengths, return_weights=return_weights, dropout_rate=dropout_rate,
+                       deterministic=deterministic, empty_rows=empty_rows)
     dtype = q.dtype
     q, k, v, bad_q, bad_kv = _sanitize(q, k, v)
     out, weights, empty, touched = _run_path(
-        path, q, k, v, bad_kv, desc, scale, dropout_rate if dropout else 0.0, dropout_rng,
+        path, q, k, v, bad_kv, vis, scale, dropout_rate if dropout else 0.0, dropout_rng,
         return_weights, query_block_size, key_block_size,
     )
-    out, weights = _finish(out, weights, empty, touched | bad_q, v, bad_kv, desc["q_lengths"], empty_rows)
+    out, weights = _finish(out, weights, empty, touched | bad_q, v, bad_kv, vis.q_lengths, empty_rows)
     return (out.astype(dtype), weights.astype(dtype)) if return_weights else out.astype(dtype)
 
 
-def _run_path(path, q, k, v, bad_kv, desc, scale, dropout_rate, dropout_rng, return_weights, q_block, k_block):
+# ---------------------------------------------------------------------------------
+# The Pallas kernels' dispatch point. Their translators live in `_pallas_tpu.py` and
+# `_pallas_gpu.py`, imported only when chosen: they pull in jax.experimental.pallas,
+# and a checkout without them still imports and runs every other path.
+# ---------------------------------------------------------------------------------
+
+
+def _pallas(path, q, k, v, vis, *, scale, q_ids, kv_ids, q_lengths, kv_lengths, return_weights,
+            dropout_rate, deterministic, empty_rows):
+    """Hands the validated description to a Pallas translator, which raises
+    ValueError naming any part it cannot express. Off the kernel's platform it runs
+    in Pallas interpret mode (a correctness tool: slow)."""
+    if path == "pallas_tpu":
+        from jax_mha._pallas_tpu import pallas_tpu_attention as kernel
+    else:
+        from jax_mha._pallas_gpu import pallas_gpu_attention as kernel
+    if empty_rows != "zero":
+        raise ValueError(f"empty_rows={empty_rows!r} is not supported by implementation={path!r}; use 'xla' "
+                         "or 'blockwise'")
+    window = None if vis.window is None else tuple(vis.window)
+    return kernel(
+        q, k, v, scale=scale, is_causal=vis.is_causal, local_window_size=window,
+        q_segment_ids=q_ids, kv_segment_ids=kv_ids, q_lengths=q_lengths, kv_lengths=kv_lengths,
+        mask=vis.mask, bias=vis.bias, return_weights=return_weights, dropout_rate=dropout_rate,
+        deterministic=deterministic, interpret=_platform() != path[len("pallas_"):],
+    )
+
+
+def _run_path(path, q, k, v, bad_kv, vis, scale, dropout_rate, dropout_rng, return_weights, q_block, k_block):
     """`(out, weights or None, empty, touched)` from the chosen path."""
     batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3])
     n, s = q.shape[-2], k.shape[-2]
-    if n == 0 or s == 0 or 0 in batch or q.shape[-3] == 0:  # nothing to attend: zeros under either policy
-        out = jnp.zeros(batch + q.shape[-3:-1] + v.shape[-1:], compute_dtype(q.dtype))
+    if n == 0 or s == 0 or 0 in batch:  # zeros under either empty-row policy
+        out = jnp.zeros(batch + q.shape[-3:-1] + v.shape[-1:], _masking.compute_dtype(q.dtype))
         weights = jnp.zeros(batch + q.shape[-3:-1] + (s,), out.dtype) if return_weights else None
         no_rows = jnp.zeros(out.shape[:-1], bool)
         return out, weights, no_rows, no_rows
     if return_weights or dropout_rate > 0.0 or (path == "xla" and whole_scores_fit(q, k)):
-        out, weights, empty, touched = _weights_path(q, k, v, bad_kv, desc, scale, dropout_rate, dropout_rng)
+        out, weights, empty, touched = _weights_path(q, k, v, bad_kv, vis, scale, dropout_rate, dropout_rng)
         return out, weights if return_weights else None, empty, touched
     if path == "cudnn":
-        out, empty, touched = cudnn_attention(q, k, v, bad_kv=bad_kv, scale=scale, **desc)
+        out, empty, touched = cudnn_attention(q, k, v, vis, scale=scale, bad_kv=bad_kv)
         return out, None, empty, touched
     if path == "blockwise":  # "xla" too big for the whole scores takes the default blocks
         q_block = None if q_block is None else _index("query_block_size", q_block)
@@ -581,6 +671,6 @@ def _run_path(path, q, k, v, bad_kv, desc, scale, dropout_rate, dropout_rng, ret
     else:
         q_block = k_block = None
     out, lse, touched = run_blockwise(
-        q, k, v, query_block_size=q_block, key_block_size=k_block, scale=scale, bad_kv=bad_kv, **desc
+        q, k, v, vis, query_block_size=q_block, key_block_size=k_block, scale=scale, bad_kv=bad_kv
     )
     return out, None, lse == jnp.inf, touched

@@ -8,6 +8,7 @@ gates), which calls `jax_mha.attention`. `jax_mha.nnx` holds the same modules in
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -87,7 +88,7 @@ class MultiHeadAttention(nn.Module):
     bias_init: Callable = nn.initializers.zeros
     out_kernel_init: Callable | None = None
     out_bias_init: Callable | None = None
-    implementation: str | None = "xla"
+    implementation: str | None = "auto"
     decode: bool = False
     normalize_qk: bool = False
     rope: bool = False
@@ -98,9 +99,10 @@ class MultiHeadAttention(nn.Module):
 
     def __post_init__(self):
         _layer.check_dropout_rate(self.dropout_rate)
-        _layer.check_size("num_heads", self.num_heads)
-        for name in ("d_model", "num_kv_heads", "out_features"):
-            _layer.check_size(name, getattr(self, name), optional=True)
+        _layer.check_width("num_heads", self.num_heads)
+        _layer.check_width("d_model", self.d_model, allow_none=True)
+        _layer.check_width("num_kv_heads", self.num_kv_heads, allow_none=True)
+        _layer.check_width("out_features", self.out_features, allow_none=True)
         super().__post_init__()
 
     def _built_widths(self) -> dict:
@@ -123,9 +125,10 @@ class MultiHeadAttention(nn.Module):
         )
 
     def _layer_norm(self, name: str) -> nn.LayerNorm:
-        return nn.LayerNorm(use_bias=False, param_dtype=self.param_dtype, name=name)  # dtype: `_layer.layer_norm`
+        return nn.LayerNorm(use_bias=False, dtype=_layer.norm_dtype(self.dtype), param_dtype=self.param_dtype,
+                            name=name)
 
-    def _cache(self, k: jax.Array, v: jax.Array) -> _layer.Cache | None:
+    def _cache(self, k: jax.Array, v: jax.Array, segment_ids=None) -> _layer.Cache | None:
         """The cache to decode with, or None when not decoding or while `init`
         creates it (flax's rule: the first call runs the plain forward pass).
 
@@ -142,7 +145,12 @@ class MultiHeadAttention(nn.Module):
         key = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
         value = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
         index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
-        return _layer.Cache(key.value, value.value, index.value) if initialized else None
+        ids = None
+        if self.has_variable("cache", "cached_segment_ids") or (not initialized and segment_ids is not None):
+            # Kept only when init saw segment_ids: each cached token's segment (B…, L).
+            ids = self.variable("cache", "cached_segment_ids", jnp.zeros, k.shape[:-3] + k.shape[-2:-1], jnp.int32)
+        return _layer.Cache(key.value, value.value, index.value, None if ids is None else ids.value) \
+            if initialized else None
 
     def _extra_kv(self, features: int):
         if not self.add_bias_kv:
@@ -163,6 +171,7 @@ class MultiHeadAttention(nn.Module):
         local_window_size: int | tuple[int | None, int | None] | None = None,
         q_lengths: jax.Array | None = None,
         kv_lengths: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
         head_mask: jax.Array | None = None,
         deterministic: bool = True,
@@ -183,6 +192,11 @@ class MultiHeadAttention(nn.Module):
           local_window_size: `(left, right)` or an int, as in `jax_mha.attention`.
           q_lengths, kv_lengths: int broadcastable to `(B…)`: valid queries / keys
             per sequence (rows past `q_lengths` output zeros before `out`).
+          segment_ids: int `(B…, N)` of a self-attention call: packed sequences, a
+            token attends only to tokens of its own segment (`q_segment_ids` of
+            `jax_mha.attention`). With `decode=True`, give them to `init` (the cache
+            then keeps each cached token's segment, `cached_segment_ids`) and on
+            every decoding call (the new tokens' segments).
           positions: RoPE positions `(N,)` or `(B…, N)` of a self-attention call (e.g.
             for left-padded prompts); default `0 … N-1`, or from `cache_index`.
           head_mask: float `(H,)` or broadcastable to `(B…, H)`; multiplies each head's
@@ -212,23 +226,24 @@ class MultiHeadAttention(nn.Module):
         k = split_heads(self._dense(kv_heads * head_dim, "key", self.qkv_bias)(key), kv_heads)  # (B…, K, S, D)
         v = split_heads(self._dense(kv_heads * head_dim, "value", self.qkv_bias)(value), kv_heads)  # (B…, K, S, D)
         if self.normalize_qk:
-            q = _layer.layer_norm(self._layer_norm("query_ln"), q, self.dtype, self.param_dtype)
-            k = _layer.layer_norm(self._layer_norm("key_ln"), k, self.dtype, self.param_dtype)
-        cache = self._cache(k, v)
+            q = _layer.layer_norm(self._layer_norm("query_ln"), q, self.dtype)
+            k = _layer.layer_norm(self._layer_norm("key_ln"), k, self.dtype)
+        cache = self._cache(k, v, segment_ids)
         sow = sow_weights or self.sow_weights
         if self.dropout_rate > 0.0 and not deterministic and dropout_rng is None:
             dropout_rng = self.make_rng("dropout")
         out, weights, cache = _layer.attend(
             q, k, v, mask=mask, bias=bias, is_causal=is_causal, local_window_size=local_window_size,
-            q_lengths=q_lengths, kv_lengths=kv_lengths, positions=positions,
+            q_lengths=q_lengths, kv_lengths=kv_lengths, segment_ids=segment_ids, positions=positions,
             rope_base=self.rope_base if self.rope else None, cache=cache,
             bias_kv=self._extra_kv(kv_heads * head_dim), add_zero_attn=self.add_zero_attn,
             head_mask=head_mask, need_weights=return_weights or sow, dropout_rate=self.dropout_rate,
             dropout_rng=dropout_rng, deterministic=deterministic, implementation=self.implementation,
         )
         if cache is not None:
-            for name, x in zip(("cached_key", "cached_value", "cache_index"), cache):
-                self.put_variable("cache", name, x)
+            for name, x in zip(("cached_key", "cached_value", "cache_index", "cached_segment_ids"), cache):
+                if x is not None:
+                    self.put_variable("cache", name, x)
         if sow:
             self.sow("intermediates", "attention_weights", weights)
         out_features = self.out_features if self.out_features is not None else d_model
@@ -247,7 +262,7 @@ class FeedForward(nn.Module):
 
     def __post_init__(self):
         _layer.check_dropout_rate(self.dropout_rate)
-        _layer.check_size("d_ff", self.d_ff)
+        _layer.check_width("d_ff", self.d_ff)
         super().__post_init__()
 
     @nn.compact
@@ -298,7 +313,7 @@ class TransformerBlock(nn.Module):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     precision: Any = None
-    implementation: str | None = "xla"
+    implementation: str | None = "auto"
     decode: bool = False
     normalize_qk: bool = False
     rope: bool = False
@@ -308,9 +323,8 @@ class TransformerBlock(nn.Module):
     def __post_init__(self):
         _layer.check_dropout_rate(self.dropout_rate)
         _layer.check_dropout_rate(self.attention_dropout_rate, "attention_dropout_rate")
-        _layer.check_size("num_heads", self.num_heads)
-        _layer.check_size("num_kv_heads", self.num_kv_heads, optional=True)
-        _layer.check_size("d_ff", self.d_ff)
+        _layer.check_width("d_ff", self.d_ff)
+        _layer.check_width("num_heads", self.num_heads)
         super().__post_init__()
 
     @nn.compact
@@ -324,6 +338,7 @@ class TransformerBlock(nn.Module):
         local_window_size: int | tuple[int | None, int | None] | None = None,
         q_lengths: jax.Array | None = None,
         kv_lengths: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
         head_mask: jax.Array | None = None,
         deterministic: bool = True,
@@ -337,8 +352,8 @@ class TransformerBlock(nn.Module):
           x: `(B…, N, d_model)`.
           mask: bool, broadcastable to `(B…, H, N, N)` (`(B…, H, N, L)` when
             decoding), True = may attend.
-          is_causal, bias, local_window_size, q_lengths, kv_lengths, positions,
-            head_mask, sow_weights: passed to `MultiHeadAttention` (see there).
+          is_causal, bias, local_window_size, q_lengths, kv_lengths, segment_ids,
+            positions, head_mask, sow_weights: passed to `MultiHeadAttention` (see there).
           deterministic: disables dropout.
           dropout_rng: key for the attention weights' dropout (the residual and
             feed-forward dropouts draw from the "dropout" rng collection).
@@ -353,17 +368,18 @@ class TransformerBlock(nn.Module):
             implementation=self.implementation, decode=self.decode, normalize_qk=self.normalize_qk,
             rope=self.rope, rope_base=self.rope_base, sow_weights=self.sow_weights, name="attention",
         )
-        ln1 = nn.LayerNorm(param_dtype=self.param_dtype, name="norm1")  # dtype: `_layer.layer_norm`
-        ln2 = nn.LayerNorm(param_dtype=self.param_dtype, name="norm2")
-        norm1 = lambda y: _layer.layer_norm(ln1, y, self.dtype, self.param_dtype)
-        norm2 = lambda y: _layer.layer_norm(ln2, y, self.dtype, self.param_dtype)
+        norm1 = functools.partial(_layer.layer_norm, nn.LayerNorm(
+            dtype=_layer.norm_dtype(self.dtype), param_dtype=self.param_dtype, name="norm1"), dtype=self.dtype)
+        norm2 = functools.partial(_layer.layer_norm, nn.LayerNorm(
+            dtype=_layer.norm_dtype(self.dtype), param_dtype=self.param_dtype, name="norm2"), dtype=self.dtype)
         ffn = FeedForward(self.d_ff, self.dropout_rate, self.dtype, self.param_dtype, self.precision, name="ffn")
         drop = lambda y: nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
 
         def attend(y):
             result = mha(
                 y, mask=mask, is_causal=is_causal, bias=bias, local_window_size=local_window_size,
-                q_lengths=q_lengths, kv_lengths=kv_lengths, positions=positions, head_mask=head_mask,
+                q_lengths=q_lengths, kv_lengths=kv_lengths, segment_ids=segment_ids, positions=positions,
+                head_mask=head_mask,
                 deterministic=deterministic, dropout_rng=dropout_rng, return_weights=return_weights,
                 sow_weights=sow_weights,
             )

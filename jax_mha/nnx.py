@@ -75,7 +75,7 @@ class MultiHeadAttention(nnx.Module):
         bias_init: Callable = nnx.initializers.zeros,
         out_kernel_init: Callable | None = None,
         out_bias_init: Callable | None = None,
-        implementation: str | None = "xla",
+        implementation: str | None = "auto",
         decode: bool = False,
         normalize_qk: bool = False,
         rope: bool = False,
@@ -87,9 +87,9 @@ class MultiHeadAttention(nnx.Module):
     ):
         _layer.check_dropout_rate(dropout_rate)
         self.num_heads = num_heads
-        self.d_model = _first(d_model, in_features)
+        self.d_model = _layer.check_width("d_model", _first(d_model, in_features))
+        _layer.check_width("out_features", out_features, allow_none=True)
         self.num_kv_heads, self.head_dim = _layer.head_sizes(num_heads, self.d_model, num_kv_heads)
-        _layer.check_size("out_features", out_features, optional=True)
         self.dropout_rate, self.deterministic = dropout_rate, deterministic
         self.dtype, self.param_dtype, self.implementation = dtype, param_dtype, implementation
         self.decode, self.normalize_qk, self.sow_weights = decode, normalize_qk, sow_weights
@@ -108,8 +108,8 @@ class MultiHeadAttention(nnx.Module):
         self.value = linear(_first(in_v_features, in_kv_features), kv_features, qkv_bias)
         self.out = linear(self.d_model, _first(out_features, self.d_model), out_bias,
                           out_kernel_init or kernel_init, out_bias_init or bias_init)
-        # dtype None: `_layer.layer_norm` casts the result (flax's half-precision dtype breaks strict promotion)
-        layer_norm = lambda: nnx.LayerNorm(self.head_dim, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+        layer_norm = lambda: nnx.LayerNorm(self.head_dim, use_bias=False, dtype=_layer.norm_dtype(dtype), param_dtype=param_dtype,
+                                           rngs=rngs)
         self.query_ln = layer_norm() if normalize_qk else nnx.data(None)
         self.key_ln = layer_norm() if normalize_qk else nnx.data(None)
         if add_bias_kv:
@@ -119,28 +119,32 @@ class MultiHeadAttention(nnx.Module):
         else:
             self.bias_k = self.bias_v = nnx.data(None)
         self.rngs = rngs.dropout.fork() if dropout_rate > 0 else nnx.data(None)
-        self.cached_key = self.cached_value = self.cache_index = nnx.data(None)
+        self.cached_key = self.cached_value = self.cache_index = self.cached_segment_ids = nnx.data(None)
 
-    def init_cache(self, input_shape: tuple[int, ...], dtype: Any = None) -> None:
+    def init_cache(self, input_shape: tuple[int, ...], dtype: Any = None, *, segment_ids: bool = False) -> None:
         """Creates an empty decoding cache (flax.nnx's method).
 
         Args:
           input_shape: `(B…, L, features)`, an input of the maximum length L.
           dtype: of the cached keys/values; default the computation dtype (`dtype`,
             else `param_dtype`).
+          segment_ids: also keep each cached token's segment id (`cached_segment_ids`,
+            int32 `(B…, L)`); decoding calls then pass `segment_ids`.
         """
         shape = (*input_shape[:-2], self.num_kv_heads, input_shape[-2], self.head_dim)  # (B…, K, L, D)
         dtype = _first(dtype, self.dtype, self.param_dtype)
         self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
         self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
         self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
+        self.cached_segment_ids = nnx.Cache(jnp.zeros(input_shape[:-1], jnp.int32)) if segment_ids else nnx.data(None)
 
     def _cache(self, decode: bool | None) -> _layer.Cache | None:
         if not _first(decode, self.decode):
             return None
         if self.cached_key is None:
             raise ValueError("decode=True needs a cache: call init_cache(input_shape) first")
-        return _layer.Cache(self.cached_key[...], self.cached_value[...], self.cache_index[...])
+        ids = None if self.cached_segment_ids is None else self.cached_segment_ids[...]
+        return _layer.Cache(self.cached_key[...], self.cached_value[...], self.cache_index[...], ids)
 
     def _dropout_rng(self, deterministic, dropout_rng, rngs):
         if self.dropout_rate == 0.0 or _first(deterministic, self.deterministic) or dropout_rng is not None:
@@ -162,6 +166,7 @@ class MultiHeadAttention(nnx.Module):
         local_window_size: int | tuple[int | None, int | None] | None = None,
         q_lengths: jax.Array | None = None,
         kv_lengths: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
         head_mask: jax.Array | None = None,
         deterministic: bool | None = None,
@@ -173,7 +178,9 @@ class MultiHeadAttention(nnx.Module):
     ):
         """As `jax_mha.MultiHeadAttention.__call__`; `rngs` (an `nnx.Rngs` or stream)
         may replace `dropout_rng`, `decode` overrides the attribute, and sown weights
-        go to `nnx.Intermediate` as `attention_weights`.
+        go to `nnx.Intermediate` as `attention_weights`. `segment_ids` (int
+        `(B…, N)`, self-attention) needs `init_cache(..., segment_ids=True)` when
+        decoding.
 
         Returns:
           `(B…, N, out_features)`, or `(out, weights (B…, H, N, S))`.
@@ -185,19 +192,21 @@ class MultiHeadAttention(nnx.Module):
         k = split_heads(self.key(key), self.num_kv_heads)  # (B…, K, S, D)
         v = split_heads(self.value(value), self.num_kv_heads)  # (B…, K, S, D)
         if self.normalize_qk:
-            q = _layer.layer_norm(self.query_ln, q, self.dtype, self.query_ln.param_dtype)
-            k = _layer.layer_norm(self.key_ln, k, self.dtype, self.key_ln.param_dtype)
+            q, k = _layer.layer_norm(self.query_ln, q, self.dtype), _layer.layer_norm(self.key_ln, k, self.dtype)
         sow = sow_weights or self.sow_weights
         out, weights, cache = _layer.attend(
             q, k, v, mask=mask, bias=bias, is_causal=is_causal, local_window_size=local_window_size,
-            q_lengths=q_lengths, kv_lengths=kv_lengths, positions=positions, rope_base=self.rope_base,
+            q_lengths=q_lengths, kv_lengths=kv_lengths, segment_ids=segment_ids, positions=positions,
+            rope_base=self.rope_base,
             cache=self._cache(decode), bias_kv=None if self.bias_k is None else (self.bias_k[...], self.bias_v[...]),
             add_zero_attn=self.add_zero_attn, head_mask=head_mask, need_weights=return_weights or sow,
             dropout_rate=self.dropout_rate, dropout_rng=self._dropout_rng(deterministic, dropout_rng, rngs),
             deterministic=_first(deterministic, self.deterministic), implementation=self.implementation,
         )
         if cache is not None:
-            self.cached_key[...], self.cached_value[...], self.cache_index[...] = cache
+            self.cached_key[...], self.cached_value[...], self.cache_index[...] = cache[:3]
+            if cache.segment_ids is not None:
+                self.cached_segment_ids[...] = cache.segment_ids
         if sow:
             self.sow(nnx.Intermediate, "attention_weights", weights)
         out = self.out(combine_heads(out))  # (B…, N, out_features)
@@ -210,8 +219,7 @@ class FeedForward(nnx.Module):
     def __init__(self, d_model: int, d_ff: int, *, dropout_rate: float = 0.0, deterministic: bool = True,
                  dtype: Any = None, param_dtype: Any = jnp.float32, precision: Any = None, rngs: nnx.Rngs):
         _layer.check_dropout_rate(dropout_rate)
-        _layer.check_size("d_model", d_model)
-        _layer.check_size("d_ff", d_ff)
+        d_model, d_ff = _layer.check_width("d_model", d_model), _layer.check_width("d_ff", d_ff)
         linear = lambda d_in, d_out: nnx.Linear(d_in, d_out, dtype=dtype, param_dtype=param_dtype,
                                                 precision=precision, rngs=rngs)
         self.hidden, self.output = linear(d_model, d_ff), linear(d_ff, d_model)
@@ -243,12 +251,12 @@ class TransformerBlock(nnx.Module):
         self, d_model: int, num_heads: int, d_ff: int, *, num_kv_heads: int | None = None,
         dropout_rate: float = 0.0, attention_dropout_rate: float = 0.0, pre_norm: bool = False,
         deterministic: bool = True, dtype: Any = None, param_dtype: Any = jnp.float32, precision: Any = None,
-        implementation: str | None = "xla", decode: bool = False, normalize_qk: bool = False, rope: bool = False,
+        implementation: str | None = "auto", decode: bool = False, normalize_qk: bool = False, rope: bool = False,
         rope_base: float = 10000.0, sow_weights: bool = False, rngs: nnx.Rngs,
     ):
         _layer.check_dropout_rate(dropout_rate)
         _layer.check_dropout_rate(attention_dropout_rate, "attention_dropout_rate")
-        _layer.check_size("d_ff", d_ff)
+        _layer.check_width("d_ff", d_ff)
         self.pre_norm = pre_norm
         self.attention = MultiHeadAttention(
             num_heads, d_model, num_kv_heads=num_kv_heads, dropout_rate=attention_dropout_rate,
@@ -256,19 +264,16 @@ class TransformerBlock(nnx.Module):
             implementation=implementation, decode=decode, normalize_qk=normalize_qk, rope=rope, rope_base=rope_base,
             sow_weights=sow_weights, rngs=rngs,
         )
-        norm = lambda: nnx.LayerNorm(d_model, param_dtype=param_dtype, rngs=rngs)  # dtype: `_layer.layer_norm`
+        norm = lambda: nnx.LayerNorm(d_model, dtype=_layer.norm_dtype(dtype), param_dtype=param_dtype, rngs=rngs)
+        self.norm_dtype = dtype
         self.norm1, self.norm2 = norm(), norm()
-        self.dtype = dtype
         self.ffn = FeedForward(d_model, d_ff, dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype,
                                param_dtype=param_dtype, precision=precision, rngs=rngs)
         self.dropout = nnx.Dropout(dropout_rate, deterministic=deterministic, rngs=rngs)
 
-    def init_cache(self, input_shape: tuple[int, ...], dtype: Any = None) -> None:
+    def init_cache(self, input_shape: tuple[int, ...], dtype: Any = None, *, segment_ids: bool = False) -> None:
         """`init_cache` of the attention: `input_shape` `(B…, L, d_model)`."""
-        self.attention.init_cache(input_shape, dtype)
-
-    def _norm(self, norm: nnx.LayerNorm, x: jax.Array) -> jax.Array:
-        return _layer.layer_norm(norm, x, self.dtype, norm.param_dtype)
+        self.attention.init_cache(input_shape, dtype, segment_ids=segment_ids)
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None, *, deterministic: bool | None = None,
                  return_weights: bool = False, **attention_args):
@@ -280,7 +285,7 @@ class TransformerBlock(nnx.Module):
           deterministic: overrides the attribute (disables dropout when True).
           return_weights: also return the attention weights.
           **attention_args: keyword arguments of `MultiHeadAttention.__call__`
-            (is_causal, bias, local_window_size, q_lengths, kv_lengths, positions,
+            (is_causal, bias, local_window_size, q_lengths, kv_lengths, segment_ids, positions,
             head_mask, dropout_rng, rngs, sow_weights, decode).
 
         Returns:
@@ -294,13 +299,13 @@ class TransformerBlock(nnx.Module):
             return result if return_weights else (result, None)
 
         if self.pre_norm:
-            a, weights = attend(self._norm(self.norm1, x))
+            a, weights = attend(_layer.layer_norm(self.norm1, x, self.norm_dtype))
             x = x + drop(a)
-            x = x + drop(self.ffn(self._norm(self.norm2, x), deterministic=deterministic))
+            x = x + drop(self.ffn(_layer.layer_norm(self.norm2, x, self.norm_dtype), deterministic=deterministic))
         else:
             a, weights = attend(x)
-            x = self._norm(self.norm1, x + drop(a))
-            x = self._norm(self.norm2, x + drop(self.ffn(x, deterministic=deterministic)))
+            x = _layer.layer_norm(self.norm1, x + drop(a), self.norm_dtype)
+            x = _layer.layer_norm(self.norm2, x + drop(self.ffn(x, deterministic=deterministic)), self.norm_dtype)
         return (x, weights) if return_weights else x
 
 

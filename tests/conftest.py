@@ -74,7 +74,8 @@ def rng():
     return np.random.default_rng(0)
 
 
-def np_allowed(shape, *, is_causal=False, window=None, q_lengths=None, kv_lengths=None, mask=None):
+def np_allowed(shape, *, is_causal=False, window=None, q_lengths=None, kv_lengths=None, mask=None,
+               q_segment_ids=None, kv_segment_ids=None):
     """The boolean `(B…, H, N, S)` pattern of who may attend, in NumPy, written apart
     from `jax_mha._masking`: query i sits at key position i + S - N; a window side of
     None is unbounded; lengths are per batch entry."""
@@ -94,6 +95,10 @@ def np_allowed(shape, *, is_causal=False, window=None, q_lengths=None, kv_length
         ok &= np.arange(n)[:, None] < np.broadcast_to(np.asarray(q_lengths), tuple(batch))[..., None, None, None]
     if kv_lengths is not None:
         ok &= key < np.broadcast_to(np.asarray(kv_lengths), tuple(batch))[..., None, None, None]
+    if q_segment_ids is not None:  # (B…, N) and (B…, S); kv defaults to q
+        q_ids = np.asarray(q_segment_ids)
+        kv_ids = q_ids if kv_segment_ids is None else np.asarray(kv_segment_ids)
+        ok &= (q_ids[..., None, :, None] == kv_ids[..., None, None, :])
     if mask is not None:
         ok &= np.asarray(mask)
     return ok

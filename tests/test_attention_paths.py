@@ -80,6 +80,15 @@ CASES = {
     # Whole 4 x 8 blocks masked (blockwise skips them): by the mask, by short kv
     # lengths (sequence 0 sees 3 keys) and by q_lengths (sequence 1 has 4 rows).
     "masked_blocks": dict(mask="block_mask", kv_lengths="kv_short", q_lengths="q_len"),
+    # Segment ids (packed sequences): sorted ids in self-attention (kv defaults to q),
+    # unsorted ids on both sides (some queries then have no key of their segment:
+    # empty rows), and with every other part of the description.
+    "segments_packed_causal": dict(is_causal=True, q_segment_ids="seg_q_sorted", n=13, s=13),
+    "segments_packed_window_gqa": dict(local_window_size=(3, 2), q_segment_ids="seg_q_sorted", n=13, s=13),
+    "segments_unsorted_lengths": dict(q_segment_ids="seg_q_rand", kv_segment_ids="seg_kv_rand",
+                                      q_lengths="q_len", kv_lengths="kv_len"),
+    "segments_everything_mqa": dict(is_causal=True, local_window_size=(5, None), q_segment_ids="seg_q_sorted",
+                                    kv_segment_ids="seg_kv_sorted", bias="bias", mask="mask", kv_heads=1),
 }
 
 
@@ -104,11 +113,16 @@ def make(rng, case, dtype=np.float32):
         "kv_len": jnp.array([s - 4, s]),
         "kv_short": jnp.array([min(3, s), s]),
         "block_mask": jnp.asarray(_block_mask(rng, n, s)),
+        "seg_q_sorted": jnp.asarray(np.sort(rng.integers(0, 3, (2, n)), axis=-1)),
+        "seg_kv_sorted": jnp.asarray(np.sort(rng.integers(0, 3, (2, s)), axis=-1)),
+        "seg_q_rand": jnp.asarray(rng.integers(0, 3, (2, n))),
+        "seg_kv_rand": jnp.asarray(rng.integers(0, 3, (2, s))),
     }
     kw = {name: arrays[val] if isinstance(val, str) else val for name, val in case.items()}
     allowed = np_allowed(
         (2, 6, n, s), is_causal=kw.get("is_causal", False), window=kw.get("local_window_size"),
         q_lengths=kw.get("q_lengths"), kv_lengths=kw.get("kv_lengths"), mask=kw.get("mask"),
+        q_segment_ids=kw.get("q_segment_ids"), kv_segment_ids=kw.get("kv_segment_ids"),
     )
     return q, k, v, kw, allowed
 
@@ -593,3 +607,67 @@ def test_blockwise_memory_is_linear_in_sequence_length():
     scores_bytes = 2 * 4096 * 4096 * 4  # one float32 (H, N, S) array at N = S = 4096
     assert temp[4096] < scores_bytes / 16, temp
     assert temp[4096] / temp[1024] < 6, temp  # ~x4 when linear; quadratic would be x16
+
+
+# ---------------------------------------------------------------------------------
+# Segment ids (packed sequences): gradients, block skipping, errors.
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["segments_packed_causal", "segments_unsorted_lengths", "segments_everything_mqa"])
+@pytest.mark.parametrize("path", PATHS)
+def test_segment_ids_gradients_match_float64_autodiff(rng, path, name):
+    q, k, v, kw, allowed = make(rng, CASES[name])
+    cot = normal(rng, q.shape[:-1] + v.shape[-1:])
+    bias = kw.get("bias")
+    loss = lambda q, k, v: jnp.sum(run(path, q, k, v, **kw) * cot)
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    with x64():
+        as64 = lambda x: jnp.asarray(np.asarray(x, np.float64))
+        ref = lambda q, k, v: jnp.sum(jax_reference(q, k, v, allowed, None if bias is None else as64(bias)) * as64(cot))
+        expected = jax.grad(ref, argnums=(0, 1, 2))(as64(q), as64(k), as64(v))
+        expected = [np.asarray(g) for g in expected]
+    for got, want in zip(grads, expected):
+        assert np.all(np.isfinite(np.asarray(got)))
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-4)
+
+
+def test_segment_ids_skip_key_blocks():
+    """Causal N = 256 in 32 x 32 blocks: one document visits the 8 x 9 / 2 = 36
+    blocks of the causal triangle; 4 packed documents of 64 only the 3 causal blocks
+    inside each document (12); unsorted ids stay exact but skip nothing here."""
+    from jax_mha._flash import visited_blocks
+    from jax_mha._masking import Visibility, segments_at_rank
+
+    n = 256
+    q = jnp.zeros((1, 1, n, 8))
+
+    def count(ids):
+        ids = None if ids is None else jnp.asarray(ids)
+        q_ids, kv_ids = segments_at_rank(ids, ids, 1)
+        vis = Visibility(n, n, is_causal=True, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+        return visited_blocks(q, q, q, vis, q_block=32, k_block=32)
+
+    one = count(None)
+    four = count(np.repeat(np.arange(4), 64)[None])
+    unsorted = count(np.random.default_rng(0).integers(0, 4, (1, n)))
+    assert one == 8 * 9 // 2  # causal: the lower triangle of 8 x 8 blocks
+    assert four == 4 * 3  # per document: its 2 x 2 blocks' causal triangle
+    assert unsorted == one  # random ids: every block's range meets every other's
+
+
+def test_segment_ids_bad_inputs_raise(rng):
+    q, k, v = inputs(rng, n=7, s=11)
+    ids_q, ids_kv = jnp.zeros((2, 7), jnp.int32), jnp.zeros((2, 11), jnp.int32)
+    with pytest.raises(TypeError, match="q_segment_ids must be integers"):
+        attention(q, k, v, q_segment_ids=ids_q.astype(jnp.float32), kv_segment_ids=ids_kv)
+    with pytest.raises(TypeError, match="kv_segment_ids must be integers"):
+        attention(q, k, v, q_segment_ids=ids_q, kv_segment_ids=ids_kv.astype(bool))
+    with pytest.raises(ValueError, match="N=7 queries and S=11 keys"):
+        attention(q, k, v, q_segment_ids=ids_q)
+    with pytest.raises(ValueError, match="kv_segment_ids needs q_segment_ids"):
+        attention(q, k, v, kv_segment_ids=ids_kv)
+    with pytest.raises(ValueError, match=r"kv_segment_ids of shape \(2, 7\) does not broadcast to \(B…, S\)"):
+        attention(q, k, v, q_segment_ids=ids_q, kv_segment_ids=ids_q)
+    with pytest.raises(ValueError, match=r"q_segment_ids of shape \(3, 7\)"):
+        attention(q, k, v, q_segment_ids=jnp.zeros((3, 7), jnp.int32), kv_segment_ids=ids_kv)

@@ -439,3 +439,137 @@ def test_auto_implementation_on_small_inputs_matches_xla(rng):
         attention(q, k, v, implementation="xla", is_causal=True),
         rtol=1e-5, atol=1e-5,
     )
+
+
+# ---------------------------------------------------------------------------------
+# Bad inputs that once escaped as raw errors, batch size 0, strict dtype promotion.
+# ---------------------------------------------------------------------------------
+
+
+def test_split_and_combine_heads_reject_non_arrays():
+    with pytest.raises(TypeError, match="split_heads expects an array .* got list"):
+        split_heads([[1.0, 2.0]], 1)
+    with pytest.raises(TypeError, match="combine_heads expects an array .* got list"):
+        combine_heads([[[1.0]]])
+
+
+def test_lengths_mask_rejects_negative_s():
+    with pytest.raises(ValueError, match="s=-1"):
+        lengths_mask(jnp.array([1, 2]), s=-1)
+
+
+def test_run_blockwise_takes_only_a_description(rng):
+    """The internal entry point; the public `blockwise_attention` is `attention`'s
+    blockwise path (tests/test_bad_inputs.py)."""
+    from jax_mha.blockwise import run_blockwise
+
+    q = normal(rng, (B, H, N, D))
+    with pytest.raises(TypeError, match="mask"):  # the keyword form: a one-line TypeError naming it
+        run_blockwise(q, q, q, mask=jnp.ones((N, N)), scale=1.0)
+    with pytest.raises(TypeError, match="Visibility .* got dict"):
+        run_blockwise(q, q, q, {"is_causal": True}, scale=1.0)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "blockwise", "auto"])
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_batch_size_zero_returns_the_empty_result(rng, implementation, return_weights):
+    if implementation == "blockwise" and return_weights:
+        pytest.skip("the blockwise path never returns weights")
+    q, k = jnp.zeros((0, H, N, D)), jnp.zeros((0, 1, S, D))
+    kw = dict(is_causal=True, kv_lengths=jnp.zeros((0,), jnp.int32), q_segment_ids=jnp.zeros((0, N), jnp.int32),
+              kv_segment_ids=jnp.zeros((0, S), jnp.int32))
+    result = attention(q, k, k, implementation=implementation, return_weights=return_weights, **kw)
+    out = result[0] if return_weights else result
+    chex.assert_shape(out, (0, H, N, D))
+    if return_weights:
+        chex.assert_shape(result[1], (0, H, N, S))
+    grad = jax.grad(lambda q: jnp.sum(attention(q, k, k, implementation=implementation, **kw)))(q)
+    chex.assert_shape(grad, q.shape)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("implementation", ["xla", "blockwise", "weights"])
+def test_strict_dtype_promotion_works_on_every_path(rng, dtype, implementation, np_attention):
+    q, k, v = (normal(rng, shape, dtype) for shape in ((B, H, N, D), (B, 1, S, D), (B, 1, S, DV)))
+    bias = normal(rng, (N, S), dtype)
+    ids = jnp.asarray(np.sort(rng.integers(0, 2, (B, N))))
+    kv_ids = jnp.asarray(np.sort(rng.integers(0, 2, (B, S))))
+    kw = dict(bias=bias, is_causal=True, local_window_size=(3, None), kv_lengths=jnp.array([S, 4]),
+              q_segment_ids=ids, kv_segment_ids=kv_ids)
+    path = dict(implementation="xla", return_weights=True) if implementation == "weights" else dict(
+        implementation=implementation)
+    with jax.numpy_dtype_promotion("strict"):
+        result = attention(q, k, v, **kw, **path)
+        grads = jax.grad(lambda q, k, v, b: jnp.sum(attention(q, k, v, **{**kw, "bias": b}, implementation=path[
+            "implementation"]).astype(jnp.float32)), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    out = result[0] if implementation == "weights" else result
+    assert out.dtype == jnp.dtype(dtype)
+    assert all(g.dtype == jnp.dtype(dtype) and bool(jnp.all(jnp.isfinite(g))) for g in grads)
+    f64 = lambda x: np.asarray(x, np.float64)
+    pos = np.arange(N)[:, None] + S - N
+    key = np.arange(S)[None, :]
+    allowed = (key <= pos) & (key >= pos - 3) & (key < np.array([S, 4])[:, None, None, None])
+    allowed = allowed & (f64(ids)[:, None, :, None] == f64(kv_ids)[:, None, None, :])
+    expected, _ = np_attention(f64(q), f64(k), f64(v), mask=allowed, bias=f64(bias))
+    tol = 1e-5 if dtype == "float32" else 3e-2
+    np.testing.assert_allclose(f64(out), expected, atol=tol, rtol=tol)
+
+
+# ---------------------------------------------------------------------------------
+# "auto" by platform, and the dispatch point of the Pallas kernels.
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("platform, dtype, kw, expected", [
+    ("cpu", "float32", {}, "xla"),
+    ("cpu", "bfloat16", {}, "blockwise"),
+    ("tpu", "float32", {}, "pallas_tpu"),
+    ("tpu", "float32", {"return_weights": True}, "xla"),
+    ("tpu", "float32", {"unfused": True}, "xla"),  # a dense mask/bias: the kernels refuse it
+    ("gpu", "float32", {}, "pallas_gpu"),  # cuDNN takes half precision only
+    ("gpu", "float32", {"dropout": True}, "xla"),
+])
+def test_auto_chooses_by_platform(monkeypatch, platform, dtype, kw, expected):
+    from jax_mha import functional
+
+    monkeypatch.setattr(functional, "_platform", lambda: platform)
+    q = jax.ShapeDtypeStruct((1, 2, 16, 8), jnp.dtype(dtype))
+    assert functional.resolve_implementation(q, q, q, implementation="auto", **kw) == expected
+
+
+def test_auto_on_gpu_keeps_a_window_off_the_triton_kernel(monkeypatch):
+    from jax_mha import functional
+    from jax_mha._masking import Visibility, Window
+
+    monkeypatch.setattr(functional, "_platform", lambda: "gpu")
+    assert functional._kernel_cannot_express(Visibility(4, 4, window=Window(2, 0)), "zero")
+    assert not functional._kernel_cannot_express(Visibility(4, 4, is_causal=True), "zero")
+    monkeypatch.setattr(functional, "_platform", lambda: "tpu")
+    assert not functional._kernel_cannot_express(Visibility(4, 4, window=Window(2, 0)), "zero")
+    assert functional._kernel_cannot_express(Visibility(4, 4), "uniform")
+
+
+@pytest.mark.parametrize("path", ["pallas_tpu", "pallas_gpu"])
+def test_pallas_dispatch_passes_the_whole_description(rng, monkeypatch, path):
+    """The translators (other files) receive every part by keyword; a stand-in
+    records them. Off its platform a kernel runs in interpret mode."""
+    import sys
+    import types
+
+    seen = {}
+    fake = types.ModuleType(f"jax_mha._{path}")
+    setattr(fake, f"{path}_attention", lambda q, k, v, **kw: seen.update(kw) or q)
+    monkeypatch.setitem(sys.modules, f"jax_mha._{path}", fake)
+    q = normal(rng, (B, H, N, D))
+    ids = jnp.zeros((B, N), jnp.int32)
+    out = attention(q, q, q, implementation=path, is_causal=True, local_window_size=4, q_segment_ids=ids,
+                    q_lengths=jnp.array([N, 2]))
+    assert out is q
+    assert set(seen) == {"scale", "is_causal", "local_window_size", "q_segment_ids", "kv_segment_ids", "q_lengths",
+                         "kv_lengths", "mask", "bias", "return_weights", "dropout_rate", "deterministic", "interpret"}
+    assert seen["local_window_size"] == (4, 4) and seen["is_causal"] and seen["interpret"]
+    np.testing.assert_array_equal(seen["kv_segment_ids"], ids)  # defaults to the queries' ids
+    np.testing.assert_array_equal(seen["q_segment_ids"], ids)
+    assert seen["scale"] == pytest.approx(1 / math.sqrt(D))
+    with pytest.raises(ValueError, match="empty_rows='uniform' is not supported by implementation='pallas"):
+        attention(q, q, q, implementation=path, empty_rows="uniform")

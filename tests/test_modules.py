@@ -17,6 +17,15 @@ import pytest
 from jax_mha import FeedForward, MultiHeadAttention, TransformerBlock, causal_mask, padding_mask
 from jax_mha._projection import projection_dot_general
 
+
+@pytest.fixture(autouse=True, params=["standard", "strict"])
+def promotion(request):
+    """Every test of this suite runs under standard and strict dtype promotion
+    (equinox's suite runs strict; a library that promotes implicitly breaks there)."""
+    with jax.numpy_dtype_promotion(request.param):
+        yield request.param
+
+
 # B, N, S, H, D: distinct primes; d_model = H * D.
 B, N, S, H, D = 2, 5, 7, 3, 11
 D_MODEL = H * D  # 33
@@ -767,3 +776,87 @@ def test_projection_dot_general_value_and_derivatives_equal_autodiff(rng):
     chex.assert_trees_all_close(jax.jvp(ours, (x, w), (t_x, t_w)), jax.jvp(plain, (x, w), (t_x, t_w)), rtol=1e-5)
     hvp = lambda f: jax.jvp(jax.grad(f, 1), (x, w), (t_x, t_w))[1]  # forward-over-reverse
     chex.assert_trees_all_close(hvp(ours), hvp(plain), rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------- widths, strict promotion, segment ids
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: MultiHeadAttention(num_heads=H, d_model=0), ValueError, "d_model must be a positive int, got 0"),
+    (lambda: MultiHeadAttention(num_heads=H, d_model=-6), ValueError, "d_model must be a positive int, got -6"),
+    (lambda: MultiHeadAttention(num_heads=H, d_model=6.0), TypeError, "d_model must be a positive int, got 6.0"),
+    (lambda: MultiHeadAttention(num_heads=0), ValueError, "num_heads must be a positive int, got 0"),
+    (lambda: MultiHeadAttention(num_heads=H, num_kv_heads=-1), ValueError, "num_kv_heads must be a positive int"),
+    (lambda: FeedForward(d_ff=0), ValueError, "d_ff must be a positive int, got 0"),
+    (lambda: TransformerBlock(num_heads=H, d_ff=-3), ValueError, "d_ff must be a positive int, got -3"),
+    (lambda: TransformerBlock(num_heads=H, d_ff=None), TypeError, "d_ff must be a positive int, got None"),
+])
+def test_bad_widths_raise_naming_them(make, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        make()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_half_precision_modules_run_under_strict_promotion(rng, dtype, promotion):
+    """float32 parameters, `dtype` compute, QK-norm and the block's LayerNorms (whose
+    flax statistics promote implicitly): forward, gradient and decoding."""
+    x = normal(rng, (B, N, D_MODEL), dtype)
+    mha = MultiHeadAttention(num_heads=H, normalize_qk=True, dtype=dtype)
+    params = init_params(mha, x)
+    y = mha.apply(params, x, is_causal=True)
+    assert y.dtype == dtype
+    grads = jax.grad(lambda p: jnp.sum(mha.apply(p, x).astype(jnp.float32)))(params)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))
+    block = TransformerBlock(num_heads=H, d_ff=7, dtype=dtype)
+    assert block.apply(init_params(block, x), x).dtype == dtype
+    decoder = MultiHeadAttention(num_heads=H, decode=True, dtype=dtype)
+    dparams, cache = decode_variables(decoder, x)
+    out, _ = decode(decoder, dparams, cache, x, [2, 3])
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(
+        MultiHeadAttention(num_heads=H, dtype=dtype).apply({"params": dparams}, x, is_causal=True), np.float32),
+        atol=3e-2 if dtype != jnp.float32 else 1e-5)
+
+
+def segment_mask(ids):
+    """The dense `(B, 1, N, N)` mask that `segment_ids` stand for."""
+    return ids[:, None, :, None] == ids[:, None, None, :]
+
+
+def test_segment_ids_through_the_module_equal_their_mask(rng):
+    x = normal(rng, (B, 11, D_MODEL))
+    ids = jnp.array([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2], [5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7]])
+    for model in (MultiHeadAttention(num_heads=H), TransformerBlock(num_heads=H, d_ff=7)):
+        params = init_params(model, x)
+        got = model.apply(params, x, is_causal=True, segment_ids=ids)
+        want = model.apply(params, x, mask=segment_mask(ids), is_causal=True)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    cross = MultiHeadAttention(num_heads=H)
+    cross_params = init_params(cross, x[:, :5], x[:, :7])
+    with pytest.raises(ValueError, match="N=5 queries and S=7 keys"):  # segment_ids are for self-attention
+        cross.apply(cross_params, x[:, :5], x[:, :7], segment_ids=ids[:, :5])
+
+
+def test_decoding_keeps_each_rows_segment(rng):
+    """Two documents packed in one row, decoded token by token: each token sees only
+    its own document's cached tokens, as the causal forward pass with segment ids."""
+    L = 7
+    x = normal(rng, (B, L, D_MODEL))
+    ids = jnp.array([[0, 0, 0, 1, 1, 1, 1], [3, 3, 3, 3, 3, 4, 4]])
+    decoder = MultiHeadAttention(num_heads=H, decode=True, rope=False)
+    shapes = jax.eval_shape(lambda key, x: decoder.init(key, x, segment_ids=ids), jax.random.key(0), x)
+    params = randomize(shapes["params"])
+    cache = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
+    chex.assert_shape(cache["cached_segment_ids"], (B, L))
+    step = jax.jit(lambda c, x, i: decoder.apply({"params": params, "cache": c}, x, segment_ids=i, mutable=["cache"]))
+    outs = []
+    for t in range(L):
+        y, mutated = step(cache, x[:, t : t + 1], ids[:, t : t + 1])
+        cache = mutated["cache"]
+        outs.append(y)
+    full = MultiHeadAttention(num_heads=H).apply({"params": params}, x, is_causal=True, segment_ids=ids)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(cache["cached_segment_ids"], ids)
+    plain_params, plain_cache = decode_variables(decoder, x)
+    with pytest.raises(ValueError, match="segment_ids when decoding needs a cache made with segment_ids"):
+        decoder.apply({"params": plain_params, "cache": plain_cache}, x[:, :1], segment_ids=ids[:, :1],
+                      mutable=["cache"])

@@ -127,3 +127,37 @@ def test_dropout_rate_outside_zero_one_raises_at_construction(make, rate):
 def test_attention_dropout_rate_of_the_block_is_checked():
     with pytest.raises(ValueError, match=re.escape("0 <= attention_dropout_rate < 1, got 1.5")):
         jnnx.TransformerBlock(D_MODEL, H, 7, attention_dropout_rate=1.5, rngs=nnx.Rngs(0))
+
+
+def test_segment_ids_and_decoding_with_them_match_linen(rng):
+    """NNX takes `segment_ids` like linen; `init_cache(..., segment_ids=True)` keeps
+    each cached token's segment, so token-by-token decoding equals the causal pass."""
+    x = normal(rng, (B, N, D_MODEL))
+    ids = jnp.array([[0, 0, 1, 1, 1], [2, 2, 2, 2, 9]])
+    model = jnnx.MultiHeadAttention(H, D_MODEL, rngs=nnx.Rngs(0))
+    full = model(x, is_causal=True, segment_ids=ids)
+    mask = ids[:, None, :, None] == ids[:, None, None, :]
+    np.testing.assert_allclose(full, model(x, mask=mask, is_causal=True), atol=1e-5, rtol=1e-5)
+    model.init_cache(x.shape, segment_ids=True)
+    outs = [model(x[:, t : t + 1], segment_ids=ids[:, t : t + 1], decode=True) for t in range(N)]
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(model.cached_segment_ids[...], ids)
+
+
+def test_bad_widths_raise_naming_them():
+    with pytest.raises(ValueError, match="d_model must be a positive int, got 0"):
+        jnnx.MultiHeadAttention(H, D_MODEL, d_model=0, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="d_ff must be a positive int, got 0"):
+        jnnx.TransformerBlock(D_MODEL, H, 0, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="d_ff must be a positive int, got -2"):
+        jnnx.FeedForward(D_MODEL, -2, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_half_precision_under_strict_promotion(rng, dtype):
+    x = normal(rng, (B, N, D_MODEL)).astype(dtype)
+    with jax.numpy_dtype_promotion("strict"):
+        block = jnnx.TransformerBlock(D_MODEL, H, 7, dtype=dtype, rngs=nnx.Rngs(0))
+        assert block(x, is_causal=True).dtype == dtype
+        mha = jnnx.MultiHeadAttention(H, D_MODEL, normalize_qk=True, dtype=dtype, rngs=nnx.Rngs(0))
+        assert mha(x).dtype == dtype

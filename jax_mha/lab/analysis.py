@@ -572,14 +572,16 @@ def induction_gating_check(
     can be copied), and leave the early positions (little context) about where they were.
 
     Args:
-      params, model: the trained decoder.
+      params: the trained decoder's parameters.
+      model: the decoder.
       probe: int `(B, 2R)` repeated rows (`head_types.repeated_spans` or `repeated_symbols`).
       repeat_length: R.
       text_inputs: int `(B', T)` held-out text windows (their next characters are the
         targets: the last position is not scored).
       scores: `(num_layers, H)` prefix-matching scores, measured on the probe.
       k: heads gated in each arm.
-      early, late_from_end: the ICL ranges (default as `head_types.icl_score` scaled to T).
+      early: the early ICL range (default as `head_types.icl_score` scaled to T).
+      late_from_end: the late ICL range, likewise.
 
     Returns:
       dict with, for arms "none", "top" and "bottom": `second_copy_loss`,

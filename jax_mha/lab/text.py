@@ -473,7 +473,8 @@ def ngram_bpc(train, validation, order: int, vocab_size: int) -> float:
     is scored, as the models score it.
 
     Args:
-      train, validation: int `(N,)` ids in `[0, vocab_size)`.
+      train: int `(N,)` ids in `[0, vocab_size)`, the text the table is fitted on.
+      validation: int `(M,)` ids, the text it is scored on.
       order: n >= 1 (1: unigram, 2: bigram, ...).
       vocab_size: V.
 
