@@ -25,6 +25,7 @@ as their translators document) have a custom VJP only, so reverse mode (`grad`,
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import operator
 
@@ -365,6 +366,12 @@ def _platform() -> str:
     return jax.default_backend()
 
 
+def _kernel_available(path: str) -> bool:
+    """Whether the translator module of a Pallas path is present (it lands from its
+    own branch; until then "auto" keeps to the paths that exist)."""
+    return importlib.util.find_spec(f"jax_mha._{path}") is not None
+
+
 def resolve_implementation(
     q, k, v, *, implementation: str | None = "auto", return_weights: bool = False, dropout: bool = False,
     unfused: bool = False,
@@ -399,7 +406,7 @@ def resolve_implementation(
     plain = not (return_weights or dropout)
     if platform == "gpu" and cudnn_problem(q, k, v, dropout, return_weights) is None:
         return "cudnn"
-    if plain and not unfused and platform in ("tpu", "gpu"):
+    if plain and not unfused and platform in ("tpu", "gpu") and _kernel_available("pallas_" + platform):
         return "pallas_" + platform
     if plain and not whole_scores_fit(q, k):
         return "blockwise"

@@ -533,8 +533,13 @@ def test_auto_chooses_by_platform(monkeypatch, platform, dtype, kw, expected):
     from jax_mha import functional
 
     monkeypatch.setattr(functional, "_platform", lambda: platform)
+    monkeypatch.setattr(functional, "_kernel_available", lambda path: True)
     q = jax.ShapeDtypeStruct((1, 2, 16, 8), jnp.dtype(dtype))
     assert functional.resolve_implementation(q, q, q, implementation="auto", **kw) == expected
+    # Without the kernel's translator file, "auto" keeps to the pure-JAX paths.
+    monkeypatch.setattr(functional, "_kernel_available", lambda path: False)
+    fallback = functional.resolve_implementation(q, q, q, implementation="auto", **kw)
+    assert fallback == (expected if not expected.startswith("pallas_") else "xla")
 
 
 def test_auto_on_gpu_keeps_a_window_off_the_triton_kernel(monkeypatch):
