@@ -1,9 +1,10 @@
-"""The modules and every attention path under `jax_numpy_dtype_promotion="strict"`.
+"""The NNX modules and every attention path under `jax_numpy_dtype_promotion="strict"`.
 
 Strict promotion (equinox's own test suite runs in it) turns every implicit mixing of
-dtypes, e.g. float16 activations times float32 scales, into an error. The linen and
-NNX module suites are collected again here and run whole under it; the half-precision
-cases below check that strict mode changes no value.
+dtypes, e.g. float16 activations times float32 scales, into an error. The NNX module
+suite is collected again here and runs whole under it (tests/test_modules.py runs the
+linen suite under both modes itself); the half-precision cases below check that strict
+mode changes no value.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-# The whole module suites, re-collected in this file: the autouse fixture below runs
-# each of their tests under strict promotion.
-from test_modules import *  # noqa: E402,F401,F403
+# The whole NNX suite, re-collected in this file: the autouse fixture below runs each
+# of its tests under strict promotion.
 from test_nnx import *  # noqa: E402,F401,F403
 
 from jax_mha import MultiHeadAttention, TransformerBlock, attention
