@@ -52,6 +52,8 @@ def kernel_segment_ids(batch, n, s, n_pad, s_pad, q_segment_ids, kv_segment_ids,
     no key (its row is zeroed) and a padded or cut key is seen by nobody.
     """
     b = int(np.prod(batch, dtype=np.int64))
+    if kv_segment_ids is None and n == s:
+        kv_segment_ids = q_segment_ids  # self-attention: the library's default
     qs = jnp.zeros((*batch, n), jnp.int32) if q_segment_ids is None else jnp.asarray(q_segment_ids)
     ks = jnp.zeros((*batch, s), jnp.int32) if kv_segment_ids is None else jnp.asarray(kv_segment_ids)
     for name, ids, want in (("q_segment_ids", qs, (*batch, n)), ("kv_segment_ids", ks, (*batch, s))):

@@ -12,7 +12,8 @@ Refused with a ValueError naming the part: a window, lengths, distinct q/kv segm
 mask, return_weights, dropout with deterministic=False, soft-cap.
 
 Transformations: jit, vmap, grad, vjp (the kernel has a custom_vjp). Forward mode (jvp,
-jacfwd) raises a TypeError saying it is reverse-mode only. On anything but a GPU the
+jacfwd) raises JAX's `TypeError: can't apply forward-mode autodiff (jvp) to a
+custom_vjp function.` at trace time (tested); use implementation='xla' for jvp/jacfwd. On anything but a GPU the
 kernel runs in Pallas interpret mode: a correctness tool, very slow.
 """
 
@@ -30,18 +31,6 @@ DEFAULT_BLOCK = 128
 MIN_BLOCK = 16  # smallest tile Triton's tl.dot accepts
 
 
-def _reverse_only(fn):
-    @jax.custom_jvp
-    def wrapped(*args):
-        return fn(*args)
-
-    @wrapped.defjvp
-    def _jvp(primals, tangents):
-        raise TypeError("pallas_gpu supports reverse-mode only (grad, vjp); the Triton mha kernel has no "
-                        "forward-mode rule: use implementation='xla' for jvp/jacfwd")
-
-    return wrapped
-
 
 def _same_ids(a, b) -> bool:
     if a is None or b is None or a is b:
@@ -58,7 +47,7 @@ def pallas_gpu_attention(q, k, v, *, scale, is_causal, local_window_size, q_segm
     `(B…, H, N, D)` in q's dtype. Rows that may see no key give zeros.
 
     `interpret=None` compiles on GPU and interprets elsewhere. Reverse mode only: jvp and
-    jacfwd raise TypeError. Segment ids must be one array for queries and keys (the same
+    jacfwd raise JAX's custom_vjp TypeError. Segment ids must be one array for queries and keys (the same
     object, or equal concrete arrays): the kernel indexes a single array by both.
 
     Raises:
@@ -132,7 +121,7 @@ def pallas_gpu_attention(q, k, v, *, scale, is_causal, local_window_size, q_segm
                                 causal=bool(is_causal), block_sizes=sizes, interpret=interpret)
         return t(out)
 
-    out = _reverse_only(run)(qf, kf, vf, seg)[:, :, q_front:q_front + n]
+    out = run(qf, kf, vf, seg)[:, :, q_front:q_front + n]
     # Rows that see no key (causal N > S, padding): the kernel would average V; zero them.
     q_ids = seg[:, k_front:k_front + n]
     kv_ids = seg[:, k_front:k_front + s] if n == s else jnp.zeros((b, s), jnp.int32)

@@ -9,8 +9,9 @@ Refused with a ValueError naming the part: an additive bias, a dense mask,
 return_weights, dropout with deterministic=False.
 
 Transformations: jit, vmap, grad, vjp (splash has a custom_vjp). Forward mode (jvp,
-jacfwd) has no rule in the kernel; it raises a TypeError that says so (see
-`_reverse_only`). On anything but a TPU the kernel runs in Pallas interpret mode: a
+jacfwd) has no rule: the kernel is a `jax.custom_vjp`, so JAX raises
+`TypeError: can't apply forward-mode autodiff (jvp) to a custom_vjp function.` at trace
+time (tested); use implementation='xla' for jvp/jacfwd. On anything but a TPU the kernel runs in Pallas interpret mode: a
 correctness tool, very slow.
 """
 
@@ -30,21 +31,6 @@ from jax_mha._pallas_common import (default_interpret, kernel_segment_ids, refus
 DEFAULT_BLOCK = 512
 MIN_BLOCK = 128
 
-
-def _reverse_only(fn):
-    """Wraps `fn` (differentiable in reverse mode) so that a jvp gives a clear error
-    instead of the kernel's raw trace."""
-
-    @jax.custom_jvp
-    def wrapped(*args):
-        return fn(*args)
-
-    @wrapped.defjvp
-    def _jvp(primals, tangents):
-        raise TypeError("pallas_tpu supports reverse-mode only (grad, vjp); splash attention has no "
-                        "forward-mode rule: use implementation='xla' for jvp/jacfwd")
-
-    return wrapped
 
 
 @functools.lru_cache(maxsize=64)
@@ -79,7 +65,7 @@ def pallas_tpu_attention(q, k, v, *, scale, is_causal, local_window_size, q_segm
 
     `interpret=None` compiles on TPU and interprets elsewhere. `block_size` overrides the
     default (512, clamped to the sequence rounded up to 128). Reverse mode only: jvp and
-    jacfwd raise TypeError.
+    jacfwd raise JAX's custom_vjp TypeError.
 
     Raises:
       ValueError: for a bias, a dense mask, return_weights, dropout, mismatched shapes or
@@ -134,7 +120,6 @@ def pallas_tpu_attention(q, k, v, *, scale, is_causal, local_window_size, q_segm
         out = jax.vmap(lambda qq, kk, vv: kernel(qq, kk, vv, segment_ids=seg))(qg, kb, vb)
         return out.reshape(h, n_pad, d)
 
-    run = _reverse_only(lambda a, b_, c, e, f: jax.vmap(one)(a, b_, c, e, f))
-    out = run(qf, kf, vf, qs, ks)
+    out = jax.vmap(one)(qf, kf, vf, qs, ks)
     out = jnp.where(has_key[:, None, :, None], out, 0).astype(q.dtype)
     return out[:, :, :n].reshape(q.shape)
