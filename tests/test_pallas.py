@@ -188,3 +188,20 @@ def test_bad_shapes_and_types_are_named(rng, name):
     with pytest.raises(TypeError, match="float32"):
         seg = jnp.zeros((1, 128), jnp.float32)
         _call(name, q, k, v, q_segment_ids=seg, kv_segment_ids=seg)
+
+
+def test_tpu_logits_soft_cap_matches_float64(rng):
+    # c * tanh(logits / c) on the scaled logits, before masking (API.md, third round).
+    # A cap of 1 on logits of size ~1..3 changes the output far beyond the tolerance.
+    q, k, v = _inputs(rng, (1,), 2, 2, 256, 256)
+    cap, scale = 1.0, 1.0 / np.sqrt(64)
+    out = _call("pallas_tpu", q, k, v, is_causal=True, logits_soft_cap=cap)
+    logits = np.einsum("bhnd,bhsd->bhns", q.astype(np.float64), k.astype(np.float64)) * scale
+    logits = np.where(np.tril(np.ones((256, 256), bool)), cap * np.tanh(logits / cap), -np.inf)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    want = (w / w.sum(-1, keepdims=True)) @ v.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=1e-5)
+    uncapped = _call("pallas_tpu", q, k, v, is_causal=True)
+    assert np.abs(np.asarray(uncapped) - want).max() > 1e-2
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        _call("pallas_tpu", q, k, v, logits_soft_cap=-1.0)
