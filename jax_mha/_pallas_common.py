@@ -1,101 +1,95 @@
-"""What the two Pallas translators (`_pallas_tpu`, `_pallas_gpu`) share: refusing the
-parts no fused kernel here expresses, flattening the batch, lengths and padding as
-segment ids, and the rows that see no key.
+"""Shared translation helpers for the Pallas kernel paths (`_pallas_tpu`, `_pallas_gpu`).
 
-Both kernels mask by segment ids: a query attends a key only when their ids are
-equal. Lengths, and the padding that brings N and S to a multiple of the kernel's
-block, become ids no real token has (below the smallest real id), so a padded key is
-never seen and a padded query sees nothing. Both kernels give a row with no visible
-key a finite average (their mask value is finite), never NaN; `valid_rows` finds those
-rows so the translators return zeros there, as every other path does.
+Both kernels take one integer segment id per query and per key and let a query see a key
+only when the ids match. Lengths, padding to the kernel's block size and the library's
+segment ids all fold into that one pair of arrays, so nothing is refused for shape.
 """
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
-from jax import lax
+import numpy as np
 
-ROW_CHUNK = 512  # query rows per step of `valid_rows` (bounds its (rows, S) booleans)
+from jax_mha import _masking
 
 
-def refuse(path: str, *, mask, bias, return_weights: bool, dropout_rate: float, deterministic: bool) -> None:
-    """ValueError naming the first part of the description `path` cannot express."""
+def refuse(path: str, *, mask, bias, return_weights, dropout_rate, deterministic) -> None:
+    """Raises ValueError naming the first part of the description `path` cannot express
+    (a kernel that silently dropped it would return wrong numbers)."""
     if bias is not None:
-        raise ValueError(f"implementation={path!r} cannot add a bias; use 'xla' or 'blockwise'")
+        raise ValueError(f"{path} cannot express an additive bias (got shape {np.shape(bias)}); use implementation='xla'")
     if mask is not None:
-        raise ValueError(f"implementation={path!r} cannot read a dense mask; express it with is_causal, "
-                         "local_window_size, q_segment_ids or lengths, or use 'xla'/'blockwise'")
+        raise ValueError(f"{path} cannot express a dense mask (got shape {np.shape(mask)}); "
+                         "use segment ids / lengths, or implementation='xla'")
     if return_weights:
-        raise ValueError(f"implementation={path!r} never builds the weights: return_weights=True needs 'xla'")
-    if dropout_rate > 0.0 and not deterministic:
-        raise ValueError(f"implementation={path!r} has no dropout: dropout_rate={dropout_rate} needs 'xla'")
+        raise ValueError(f"{path} cannot return attention weights (return_weights=True); use implementation='xla'")
+    if dropout_rate and not deterministic:
+        raise ValueError(f"{path} cannot apply dropout (dropout_rate={dropout_rate}, deterministic=False); "
+                         "use implementation='xla'")
 
 
-def flat_batch(x, batch: tuple[int, ...], trailing: int) -> jax.Array:
-    """`x` with its `trailing` last axes kept, broadcast to `batch` in front and
-    flattened to one batch axis: `(prod(batch), *trailing axes)`."""
-    x = jnp.asarray(x)
-    rest = x.shape[x.ndim - trailing :] if trailing else ()
-    return jnp.broadcast_to(x, batch + rest).reshape((math.prod(batch),) + rest)
+def default_interpret(interpret, platform: str) -> bool:
+    """`interpret=None`: compile only on the kernel's own platform, interpret elsewhere."""
+    if interpret is None:
+        return jax.default_backend() != platform
+    if not isinstance(interpret, bool):
+        raise TypeError(f"interpret must be None or a bool, got {interpret!r}")
+    return interpret
 
 
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
 
 
-def segment_ids(ids, lengths, batch: tuple[int, ...], n: int, n_padded: int, pad_offset: int):
-    """int32 `(B, n_padded)` ids: the given ones (or 0), and below every real id for
-    positions at or past `lengths` and for the padding. `pad_offset` (1 for queries,
-    2 for keys) keeps padded queries from seeing padded keys.
+def kernel_segment_ids(batch, n, s, n_pad, s_pad, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths):
+    """Per-(flat batch) int32 ids `(B, n_pad)`, `(B, s_pad)` that encode segments, lengths
+    and padding together, plus a bool `(B, n_pad)` "may this query see any id-matching
+    key at all" used to zero empty rows.
+
+    Padding and out-of-length positions get sentinels below every real id (queries one
+    value, keys another) so they never match anything: a padded or cut query then sees
+    no key (its row is zeroed) and a padded or cut key is seen by nobody.
     """
-    b = math.prod(batch)
-    real = jnp.zeros((b, n), jnp.int32) if ids is None else flat_batch(jnp.asarray(ids, jnp.int32), batch, 1)
-    pad_id = jnp.min(real, axis=-1, keepdims=True) - pad_offset if ids is not None else jnp.full((b, 1), -pad_offset)
-    if lengths is not None:
-        lengths = flat_batch(jnp.asarray(lengths, jnp.int32), batch, 0)[:, None]  # (B, 1)
-        real = jnp.where(jnp.arange(n)[None, :] < lengths, real, pad_id)
-    return jnp.concatenate([real, jnp.broadcast_to(pad_id, (b, n_padded - n))], axis=-1)
+    b = int(np.prod(batch, dtype=np.int64))
+    if kv_segment_ids is None and n == s:
+        kv_segment_ids = q_segment_ids  # self-attention: the library's default
+    qs = jnp.zeros((*batch, n), jnp.int32) if q_segment_ids is None else jnp.asarray(q_segment_ids)
+    ks = jnp.zeros((*batch, s), jnp.int32) if kv_segment_ids is None else jnp.asarray(kv_segment_ids)
+    for name, ids, want in (("q_segment_ids", qs, (*batch, n)), ("kv_segment_ids", ks, (*batch, s))):
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise TypeError(f"{name} must be an integer array, got dtype {ids.dtype}")
+        if ids.shape != tuple(want) and np.broadcast_shapes(ids.shape, want) != tuple(want):
+            raise ValueError(f"{name} must broadcast to {tuple(want)}, got shape {ids.shape}")
+    qs = jnp.broadcast_to(qs, (*batch, n)).reshape(b, n).astype(jnp.int32)
+    ks = jnp.broadcast_to(ks, (*batch, s)).reshape(b, s).astype(jnp.int32)
+    lo = jnp.minimum(jnp.min(qs, axis=1, initial=0), jnp.min(ks, axis=1, initial=0))[:, None]
+    q_sent, kv_sent = lo - 1, lo - 2
+    if q_lengths is not None:
+        ql = jnp.broadcast_to(jnp.asarray(q_lengths), batch).reshape(b, 1)
+        qs = jnp.where(jnp.arange(n)[None] < ql, qs, q_sent)
+    if kv_lengths is not None:
+        kl = jnp.broadcast_to(jnp.asarray(kv_lengths), batch).reshape(b, 1)
+        ks = jnp.where(jnp.arange(s)[None] < kl, ks, kv_sent)
+    qs = jnp.concatenate([qs, jnp.broadcast_to(q_sent, (b, n_pad - n))], axis=1)
+    ks = jnp.concatenate([ks, jnp.broadcast_to(kv_sent, (b, s_pad - s))], axis=1)
+    return qs, ks
 
 
-def needs_ids(n: int, s: int, n_padded: int, s_padded: int, *parts) -> bool:
-    """Whether the kernel needs segment ids: any of `parts` given, or padding."""
-    return any(part is not None for part in parts) or n != n_padded or s != s_padded
-
-
-def valid_rows(n: int, s: int, *, is_causal: bool, window, q_ids, kv_ids) -> jax.Array | None:
-    """bool `(B|1, n)`: the real rows that may see at least one real key, or None when
-    the pattern statically leaves every row a key. `q_ids (B, Np)` / `kv_ids (B, Sp)`
-    are `segment_ids`' padded ids (or None); positions past n and s are padding.
-
-    O(n·s) booleans in query chunks of `ROW_CHUNK` rows: cheap next to attention itself.
-    """
-    offset = s - n  # bottom-right: query i sits at key position i + offset
-    left, right = (None, None) if window is None else window
+def row_has_key(qs, ks, n, s, is_causal, window):
+    """bool `(B, n_pad)`: True where query i may see at least one key under segment ids,
+    causality and the window (bottom-right offset S - N). O(N·S) booleans without
+    gradient: the kernels give a finite average of V for an empty row, never zeros."""
+    n_pad, s_pad = qs.shape[1], ks.shape[1]
+    pos = jnp.arange(n_pad)[:, None] + (s - n)
+    key = jnp.arange(s_pad)[None, :]
+    ok = jnp.ones((n_pad, s_pad), bool)
     if is_causal:
-        right = 0 if right is None else min(right, 0)
-    static_ok = offset >= 0 or not is_causal  # the diagonal exists for every row
-    if q_ids is None and static_ok and (left is None or right is None or left + right >= 0) and offset >= 0:
-        return None
-    q_ids = jnp.zeros((1, n), jnp.int32) if q_ids is None else q_ids
-    kv_ids = jnp.zeros((1, s), jnp.int32) if kv_ids is None else kv_ids
-    rows = round_up(n, ROW_CHUNK) if n > ROW_CHUNK else n
-    chunk = min(ROW_CHUNK, rows)
-    q_ids = jnp.pad(q_ids[:, :n], ((0, 0), (0, rows - n)), constant_values=jnp.iinfo(jnp.int32).min)
-    keys = jnp.arange(s)
-
-    def one_chunk(start):
-        i = start + jnp.arange(chunk)[:, None] + offset  # (chunk, 1) key position of each query
-        ok = jnp.ones((chunk, s), bool)
-        if is_causal or right is not None:
-            ok &= keys[None] <= i + (0 if right is None else right)
-        if left is not None:
-            ok &= keys[None] >= i - left
-        same = lax.dynamic_slice_in_dim(q_ids, start, chunk, axis=1)[:, :, None] == kv_ids[:, None, :s]
-        return (same & ok[None]).any(-1)  # (B, chunk)
-
-    starts = jnp.arange(0, rows, chunk)
-    out = lax.map(one_chunk, starts)  # (C, B, chunk)
-    return jnp.moveaxis(out, 0, 1).reshape(out.shape[1], rows)[:, :n]
+        ok &= key <= pos
+    if window is not None:
+        if window.left is not None:
+            ok &= key >= pos - window.left
+        if window.right is not None:
+            ok &= key <= pos + window.right
+    same = qs[:, :, None] == ks[:, None, :]
+    return jnp.any(same & ok[None], axis=-1)

@@ -1,18 +1,18 @@
-"""The description translated for splash attention, the TPU's Pallas FlashAttention
-kernel (`jax.experimental.pallas.ops.tpu.splash_attention`, the one MaxText runs).
+"""`implementation="pallas_tpu"`: the one attention description translated to splash
+attention (`jax.experimental.pallas.ops.tpu.splash_attention`, the kernel MaxText uses).
 
-What it expresses: causality and local windows (left, right or both) as splash's
-static masks, with our bottom-right alignment as their `offset`; segment ids as
-splash's `SegmentIds`; `q_lengths`/`kv_lengths` and the padding to whole blocks as
-segment ids no real token has; GQA/MQA natively (`make_splash_mqa`, one call per
-key/value head with its group of query heads); `logits_soft_cap` (Gemma 2's
-`c · tanh(logits / c)`). It refuses, naming them, a dense `mask`, a `bias`,
-`return_weights` and dropout.
+Supported: causal (bottom-right: `offset = S - N` in splash's `q + offset >= kv`), local
+windows (left/right/both, splash `LocalMask` with the same offset), segment ids, q/kv
+lengths (folded into segment ids), GQA/MQA (splash's MQA kernel vmapped over kv heads),
+any N and S (padded to the block size with ids no real token has), logits soft-cap.
+Refused with a ValueError naming the part: an additive bias, a dense mask,
+return_weights, dropout with deterministic=False.
 
-Off a TPU it runs in Pallas interpret mode: a correctness tool (seconds for one small
-call on a CPU), not a fast path. Differentiable in reverse mode (`grad`, `vjp`: the
-kernel's own custom VJP); forward mode (`jvp`, `jacfwd`) raises JAX's TypeError for
-custom-VJP functions: use `implementation="xla"` or `"blockwise"` there.
+Transformations: jit, vmap, grad, vjp (splash has a custom_vjp). Forward mode (jvp,
+jacfwd) has no rule: the kernel is a `jax.custom_vjp`, so JAX raises
+`TypeError: can't apply forward-mode autodiff (jvp) to a custom_vjp function.` at trace
+time (tested); use implementation='xla' for jvp/jacfwd. On anything but a TPU the kernel runs in Pallas interpret mode: a
+correctness tool, very slow.
 """
 
 from __future__ import annotations
@@ -21,108 +21,105 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jax_mha import _pallas_common as common
+from jax_mha import _masking
+from jax_mha._pallas_common import (default_interpret, kernel_segment_ids, refuse, round_up, row_has_key)
 
-BLOCK = 512  # splash's own default block (MaxText's sa_block_* default 512 too)
-MIN_BLOCK = 128  # the TPU's lane width: blocks are multiples of it
+# MaxText's default splash block (sa_block_q = sa_block_kv = 512); 128 is the smallest
+# TPU tile, so short sequences use their own length rounded up to 128.
+DEFAULT_BLOCK = 512
+MIN_BLOCK = 128
 
 
-def _mask(n: int, s: int, offset: int, heads: int, *, is_causal: bool, window):
-    """splash's static `MultiHeadMask` over the padded `(n, s)` scores; `offset` is the
-    real S - N (the padding sits past the real rows and keys, so it stays bottom-right)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
+@functools.lru_cache(maxsize=64)
+def _kernel(n_pad, s_pad, heads, mqa, is_causal, window, offset, block_q, block_kv, soft_cap, interpret):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    shape = (n_pad, s_pad)
     if window is not None:
         left, right = window
         if is_causal:
             right = 0 if right is None else min(right, 0)
-        one = masks.LocalMask((n, s), (left, right), offset)
+        m = sm.LocalMask(shape, (left, right), offset=offset)
     elif is_causal:
-        one = masks.CausalMask((n, s), offset)
+        m = sm.CausalMask(shape, offset=offset)
     else:
-        one = masks.FullMask((n, s))
-    return masks.MultiHeadMask([one] * heads)
-
-
-@functools.lru_cache(maxsize=64)
-def _kernel(n: int, s: int, offset: int, group: int, is_causal: bool, window, block_q: int, block_kv: int,
-            logits_soft_cap, interpret: bool):
-    """A splash MQA kernel for one key/value head and its `group` query heads (cached:
-    building the mask's block tables is NumPy work)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-
-    blocks = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
-                               block_q_dkv=block_q, block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv,
-                               block_q_dq=block_q, block_kv_dq=block_kv)
-    return splash.make_splash_mqa(_mask(n, s, offset, group, is_causal=is_causal, window=window), block_sizes=blocks,
-                                  attn_logits_soft_cap=logits_soft_cap, head_shards=1, q_seq_shards=1,
-                                  interpret=interpret)
-
-
-def _block(n: int) -> int:
-    return min(BLOCK, common.round_up(max(n, 1), MIN_BLOCK))
+        m = sm.FullMask(shape)
+    mask = sm.MultiHeadMask([m] * heads)
+    bs = sk.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
+                       block_q_dkv=block_q, block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv,
+                       block_q_dq=block_q, block_kv_dq=block_kv)
+    make = sk.make_splash_mqa if mqa else sk.make_splash_mha
+    return make(mask, block_sizes=bs, head_shards=1, q_seq_shards=1,
+                attn_logits_soft_cap=soft_cap, interpret=interpret)
 
 
 def pallas_tpu_attention(q, k, v, *, scale, is_causal, local_window_size, q_segment_ids, kv_segment_ids,
                          q_lengths, kv_lengths, mask, bias, return_weights, dropout_rate, deterministic,
-                         interpret=None, logits_soft_cap=None):
-    """Attention through splash attention.
+                         interpret=None, logits_soft_cap=None, block_size=None):
+    """Splash attention for q `(B…, H, N, D)`, k/v `(B…, K, S, D)`; returns `(B…, H, N, D)`
+    in q's dtype. Rows that may see no key give zeros (value and gradient).
 
-    Args:
-      q: `(B…, H, N, D)`; k, v: `(B…, K, S, D)`, K dividing H.
-      scale: the logit scale (applied to q before the kernel, which does not scale).
-      is_causal, local_window_size: bottom-right aligned, as `jax_mha.attention`
-        (a window is `(left, right)`, a side None unbounded).
-      q_segment_ids, kv_segment_ids: int `(B…, N)` / `(B…, S)`, or None.
-      q_lengths, kv_lengths: int broadcastable to `(B…)`, or None.
-      mask, bias, return_weights, dropout_rate, deterministic: refused unless
-        absent / off (ValueError naming the part).
-      interpret: Pallas interpret mode; None: unless running on a TPU.
-      logits_soft_cap: `c` of `c · tanh(logits / c)`, or None.
-
-    Returns:
-      `(B…, H, N, D)` in q's dtype; zeros for a query that may see no key.
+    `interpret=None` compiles on TPU and interprets elsewhere. `block_size` overrides the
+    default (512, clamped to the sequence rounded up to 128). Reverse mode only: jvp and
+    jacfwd raise JAX's custom_vjp TypeError.
 
     Raises:
-      ValueError: naming a part of the description splash cannot express.
+      ValueError: for a bias, a dense mask, return_weights, dropout, mismatched shapes or
+        heads K not dividing H. TypeError: for non-integer segment ids or a non-bool
+        interpret.
     """
-    common.refuse("pallas_tpu", mask=mask, bias=bias, return_weights=return_weights, dropout_rate=dropout_rate,
-                  deterministic=deterministic)
-    if logits_soft_cap is not None and not logits_soft_cap > 0:
-        raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap!r}")
-    interpret = jax.default_backend() != "tpu" if interpret is None else interpret
-    window = None if local_window_size is None else tuple(local_window_size)
-    *_, h, n, d = q.shape
+    refuse("pallas_tpu", mask=mask, bias=bias, return_weights=return_weights,
+           dropout_rate=dropout_rate, deterministic=deterministic)
+    interpret = default_interpret(interpret, "tpu")
+    if q.ndim < 3 or k.ndim != q.ndim or v.ndim != q.ndim:
+        raise ValueError(f"pallas_tpu needs q (B…, H, N, D), k/v (B…, K, S, D) of one rank, got "
+                         f"{q.shape}, {k.shape}, {v.shape}")
+    *batch, h, n, d = q.shape
     kh, s = k.shape[-3], k.shape[-2]
-    batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
-    if 0 in batch or n == 0 or s == 0:
-        return jnp.zeros(batch + (h, n, v.shape[-1]), q.dtype)
-    block_q, block_kv = _block(n), _block(s)
-    n_pad, s_pad = common.round_up(n, block_q), common.round_up(s, block_kv)
-    q_ids = kv_ids = None
-    if common.needs_ids(n, s, n_pad, s_pad, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths):
-        q_ids = common.segment_ids(q_segment_ids, q_lengths, batch, n, n_pad, pad_offset=1)
-        kv_ids = common.segment_ids(kv_segment_ids, kv_lengths, batch, s, s_pad, pad_offset=2)
+    if tuple(k.shape[:-3]) != tuple(batch) or v.shape != k.shape or k.shape[-1] != d:
+        raise ValueError(f"pallas_tpu needs matching batch dims and head_dim, got q {q.shape}, k {k.shape}, v {v.shape}")
+    if kh == 0 or h % kh:
+        raise ValueError(f"pallas_tpu needs kv heads K dividing query heads H, got H={h}, K={kh}")
+    if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float)) and logits_soft_cap > 0):
+        raise ValueError(f"logits_soft_cap must be None or a positive number, got {logits_soft_cap!r}")
+    window = _masking.canonical_window(local_window_size)
+    if n == 0 or s == 0:
+        return jnp.zeros(q.shape, q.dtype)
+    block = block_size or DEFAULT_BLOCK
+    bq = min(block, round_up(n, MIN_BLOCK))
+    bkv = min(block, round_up(s, MIN_BLOCK))
+    n_pad, s_pad = round_up(n, bq), round_up(s, bkv)
+    qs, ks = kernel_segment_ids(tuple(batch), n, s, n_pad, s_pad, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths)
+    has_key = jax.lax.stop_gradient(row_has_key(qs, ks, n, s, is_causal, window))
+    b = qs.shape[0]
+    g = h // kh
+    mqa = kh != h
+    kernel = _kernel(n_pad, s_pad, g if mqa else h, mqa, bool(is_causal),
+                     None if window is None else tuple(window), s - n, bq, bkv,
+                     None if logits_soft_cap is None else float(logits_soft_cap), interpret)
 
-    # (B, K, G, N, D): splash's MQA layout, one call per key/value head.
-    group = h // kh
-    qf = common.flat_batch((q.astype(jnp.float32) * scale).astype(q.dtype), batch, 3)
-    qf = qf.reshape(-1, kh, group, n, d)
-    kf, vf = (common.flat_batch(x, batch, 3) for x in (k, v))
-    pad = lambda x, to: jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, to - x.shape[-2]), (0, 0)])
-    qf, kf, vf = pad(qf, n_pad), pad(kf, s_pad), pad(vf, s_pad)
-    kernel = _kernel(n_pad, s_pad, s - n, group, is_causal, window, block_q, block_kv, logits_soft_cap, interpret)
+    # splash does not scale the logits: fold the scale into q (exact, and differentiable).
+    qf = (q * jnp.asarray(scale, q.dtype)).reshape(b, h, n, d)
+    kf, vf = k.reshape(b, kh, s, d), v.reshape(b, kh, s, d)
+    qf = jnp.pad(qf, ((0, 0), (0, 0), (0, n_pad - n), (0, 0)))
+    kf = jnp.pad(kf, ((0, 0), (0, 0), (0, s_pad - s), (0, 0)))
+    vf = jnp.pad(vf, ((0, 0), (0, 0), (0, s_pad - s), (0, 0)))
 
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
 
-    def one_example(q_b, k_b, v_b, ids):  # (K, G, Np, D), (K, Sp, D), (K, Sp, D)
-        segments = None if ids is None else splash.SegmentIds(q=ids[0], kv=ids[1])
-        return jax.vmap(lambda q_h, k_h, v_h: kernel(q_h, k_h, v_h, segment_ids=segments))(q_b, k_b, v_b)
+    def one(qb, kb, vb, qsb, ksb):
+        seg = SegmentIds(q=qsb, kv=ksb)
+        if not mqa:
+            return kernel(qb, kb, vb, segment_ids=seg)
+        # MQA kernel per kv head over its group of H // K consecutive query heads.
+        qg = qb.reshape(kh, g, n_pad, d)
+        out = jax.vmap(lambda qq, kk, vv: kernel(qq, kk, vv, segment_ids=seg))(qg, kb, vb)
+        return out.reshape(h, n_pad, d)
 
-    ids = None if q_ids is None else (q_ids, kv_ids)
-    out = jax.vmap(one_example)(qf, kf, vf, ids)[..., :n, :]  # (B, K, G, N, D)
-    valid = common.valid_rows(n, s, is_causal=is_causal, window=window, q_ids=q_ids, kv_ids=kv_ids)
-    if valid is not None:
-        out = jnp.where(valid[:, None, None, :, None], out, 0)
-    return out.reshape(batch + (h, n, v.shape[-1])).astype(q.dtype)
+    out = jax.vmap(one)(qf, kf, vf, qs, ks)
+    out = jnp.where(has_key[:, None, :, None], out, 0).astype(q.dtype)
+    return out[:, :, :n].reshape(q.shape)

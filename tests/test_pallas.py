@@ -1,11 +1,6 @@
-"""The Pallas translators (`_pallas_tpu`: splash attention, `_pallas_gpu`: the Triton
-FlashAttention kernel) in Pallas interpret mode, against the float64 reference with the
-same pattern written as a dense NumPy mask, built here independently.
-
-Interpret mode is slow (seconds a call on a CPU), so the shapes are the smallest that
-tile: blocks of 128 (the modules' constants, patched) and N, S of 256 (2 x 2 blocks)
-or 200 (padded to 256).
-"""
+"""The Pallas kernel paths (`pallas_tpu` = splash, `pallas_gpu` = Triton mha) in Pallas
+interpret mode against the float64 reference, on the smallest shapes that still tile
+(at least 2x2 blocks of 128, or a non-multiple of the block to exercise padding)."""
 
 from __future__ import annotations
 
@@ -14,144 +9,199 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_mha import _pallas_gpu, _pallas_tpu, attention
+from jax_mha._pallas_gpu import pallas_gpu_attention
+from jax_mha._pallas_tpu import pallas_tpu_attention
+from tests.conftest import jax_reference, np_allowed, np_attention, x64
 
-KERNELS = {"pallas_tpu": _pallas_tpu.pallas_tpu_attention, "pallas_gpu": _pallas_gpu.pallas_gpu_attention}
-OFF = dict(is_causal=False, local_window_size=None, q_segment_ids=None, kv_segment_ids=None, q_lengths=None,
-           kv_lengths=None, mask=None, bias=None, return_weights=False, dropout_rate=0.0, deterministic=True)
-
-
-@pytest.fixture(autouse=True)
-def small_blocks(monkeypatch):
-    monkeypatch.setattr(_pallas_tpu, "BLOCK", 128)
-    monkeypatch.setattr(_pallas_gpu, "BLOCK", 128)
+KERNELS = {"pallas_tpu": pallas_tpu_attention, "pallas_gpu": pallas_gpu_attention}
+BASE = dict(scale=None, is_causal=False, local_window_size=None, q_segment_ids=None, kv_segment_ids=None,
+            q_lengths=None, kv_lengths=None, mask=None, bias=None, return_weights=False, dropout_rate=0.0,
+            deterministic=True, interpret=True)
 
 
-def dense_allowed(b, n, s, *, is_causal=False, window=None, q_ids=None, kv_ids=None, q_lengths=None,
-                  kv_lengths=None):
-    """bool (B, 1, N, S), written from the definitions (bottom-right alignment)."""
-    allowed = np.ones((b, 1, n, s), bool)
-    for batch in range(b):
-        for i in range(n):
-            for j in range(s):
-                at = i + s - n  # the key position of query i
-                ok = True
-                if is_causal:
-                    ok &= j <= at
-                if window is not None:
-                    left, right = window
-                    ok &= left is None or j >= at - left
-                    ok &= right is None or j <= at + right
-                if q_ids is not None:
-                    ok &= q_ids[batch, i] == kv_ids[batch, j]
-                if q_lengths is not None:
-                    ok &= i < q_lengths[batch]
-                if kv_lengths is not None:
-                    ok &= j < kv_lengths[batch]
-                allowed[batch, 0, i, j] = ok
-    return allowed
+def _inputs(rng, batch, h, kh, n, s, d=64):
+    q = rng.standard_normal((*batch, h, n, d)).astype(np.float32)
+    k = rng.standard_normal((*batch, kh, s, d)).astype(np.float32)
+    v = rng.standard_normal((*batch, kh, s, d)).astype(np.float32)
+    return q, k, v
 
 
-# name: (kernels that claim it, (B, H, K, N, S, D), options)
-PACKED = np.repeat(np.arange(4), 64)[None].repeat(2, 0)  # 4 documents of 64 in each row
-CASES = {
-    "causal_gqa": (KERNELS, (2, 3, 1, 256, 256, 16), dict(is_causal=True)),
-    "causal_keys_after_queries": (["pallas_tpu"], (1, 2, 2, 128, 200, 16), dict(is_causal=True)),
-    "window_both_sides": (["pallas_tpu"], (1, 2, 1, 200, 256, 16), dict(local_window_size=(20, 5))),
-    "causal_window": (["pallas_tpu"], (1, 2, 2, 256, 256, 16), dict(is_causal=True, local_window_size=(40, None))),
-    "packed_segments": (KERNELS, (2, 2, 2, 256, 256, 16), dict(is_causal=True, q_segment_ids=PACKED)),
-    "unsorted_segments": (KERNELS, (1, 2, 1, 200, 200, 16), dict(q_segment_ids="random")),
-    "lengths": (["pallas_tpu"], (2, 2, 1, 128, 256, 16), dict(q_lengths=[128, 90], kv_lengths=[256, 0])),
-}
+def _call(name, q, k, v, **kw):
+    args = {**BASE, **kw}
+    if args["scale"] is None:
+        args["scale"] = 1.0 / np.sqrt(q.shape[-1])
+    return KERNELS[name](q, k, v, **args)
 
 
-@pytest.mark.parametrize("path, case", [(p, c) for c, (ks, _, _) in CASES.items() for p in KERNELS if p in ks])
-def test_kernel_matches_reference(path, case, np_attention):
-    _, (b, h, kh, n, s, d), options = CASES[case]
-    rng = np.random.default_rng(len(case))
-    q = jnp.asarray(rng.standard_normal((b, h, n, d)), jnp.float32)
-    k, v = (jnp.asarray(rng.standard_normal((b, kh, s, d)), jnp.float32) for _ in range(2))
-    options = dict(options)
-    if isinstance(options.get("q_segment_ids"), str):
-        options["q_segment_ids"] = rng.integers(0, 3, (b, n))
-    ids = options.get("q_segment_ids")
-    if ids is not None:
-        options["q_segment_ids"] = options["kv_segment_ids"] = jnp.asarray(ids, jnp.int32)
-    for name in ("q_lengths", "kv_lengths"):
-        if name in options:
-            options[name] = jnp.asarray(options[name])
-    allowed = dense_allowed(b, n, s, is_causal=options.get("is_causal", False),
-                            window=options.get("local_window_size"), q_ids=ids, kv_ids=ids,
-                            q_lengths=options.get("q_lengths"), kv_lengths=options.get("kv_lengths"))
-    scale = 0.3
-    kernel = lambda q, k, v: KERNELS[path](q, k, v, **{**OFF, **options, "scale": scale})  # noqa: E731
-    w = jnp.asarray(rng.standard_normal((b, h, n, d)), jnp.float32)  # a random output gradient
-    out, grads = jax.value_and_grad(lambda *a: (kernel(*a) * w).sum(), argnums=(0, 1, 2))(q, k, v)
-    out = kernel(q, k, v)
-    want, _ = np_attention(q, k, v, mask=allowed, scale=scale)
-    np.testing.assert_allclose(out, want, atol=2e-5)
-    reference = lambda q, k, v: attention(q, k, v, mask=jnp.asarray(allowed), scale=scale)  # noqa: E731
-    want_grads = jax.grad(lambda *a: (reference(*a) * w).sum(), argnums=(0, 1, 2))(q, k, v)
-    for got, expected in zip(grads, want_grads):
-        assert bool(jnp.isfinite(got).all())
-        np.testing.assert_allclose(got, expected, atol=5e-5)
-    empty = ~allowed.any(-1)  # (B, 1, N): rows with no key are zeros
-    assert np.all(np.asarray(out)[np.broadcast_to(empty, (b, h, n))] == 0)
+def _np_segments(qs, ks):
+    """`(B…, 1, N, S)` same-segment pattern, broadcast over heads."""
+    return (np.asarray(qs)[..., :, None] == np.asarray(ks)[..., None, :])[..., None, :, :]
 
 
-@pytest.mark.parametrize("path", list(KERNELS))
-def test_jit_vmap_and_leading_axes(path):
-    rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.standard_normal((2, 1, 2, 128, 16)), jnp.float32)  # (vmapped, B, H, N, D)
-    k = v = jnp.asarray(rng.standard_normal((2, 1, 2, 128, 16)), jnp.float32)
-    run = jax.jit(jax.vmap(lambda q, k, v: KERNELS[path](q, k, v, **{**OFF, "is_causal": True, "scale": 0.25})))
-    want = attention(q, k, v, is_causal=True, scale=0.25)
-    np.testing.assert_allclose(run(q, k, v), want, atol=2e-5)
+# (kernel, batch, H, K, N, S, parts): each kernel only for the parts it claims.
+CASES = [
+    ("pallas_tpu", (1,), 4, 2, 128, 256, dict(is_causal=True)),                   # GQA, S > N bottom-right
+    ("pallas_tpu", (1,), 2, 2, 256, 256, dict(local_window_size=(16, 8))),         # window both sides
+    ("pallas_tpu", (1,), 3, 1, 256, 256, dict(is_causal=True, local_window_size=(20, None))),  # MQA, left
+    ("pallas_tpu", (1,), 2, 2, 256, 256, dict(local_window_size=(None, 5))),       # window right only
+    ("pallas_tpu", (2,), 2, 1, 200, 136, dict(segments="unsorted", q_lengths=(150, 200), kv_lengths=(136, 70))),
+    ("pallas_tpu", (1,), 2, 2, 256, 256, dict(is_causal=True, segments="packed")),
+    ("pallas_gpu", (1,), 2, 2, 128, 256, dict(is_causal=True)),
+    ("pallas_gpu", (1,), 6, 2, 200, 200, dict(is_causal=True, segments="packed")),  # GQA + padding
+    ("pallas_gpu", (2,), 2, 2, 256, 256, dict(segments="unsorted")),
+]
 
 
-@pytest.mark.parametrize("path", list(KERNELS))
-def test_forward_mode_is_a_clear_type_error(path):
-    q = jnp.ones((1, 2, 128, 16))
-    with pytest.raises(TypeError, match="custom_vjp"):
-        jax.jvp(lambda q: KERNELS[path](q, q, q, **{**OFF, "scale": 0.25}), (q,), (q,))
+def _segments(rng, kind, batch, n, s):
+    if kind == "packed":
+        cut = np.sort(rng.choice(np.arange(1, n), 3, replace=False))
+        ids = np.searchsorted(cut, np.arange(n), side="right")
+        qs = np.broadcast_to(ids, (*batch, n)).astype(np.int32)
+        return qs, qs
+    qs = rng.integers(0, 3, (*batch, n)).astype(np.int32)
+    return qs, (qs if n == s else rng.integers(0, 3, (*batch, s)).astype(np.int32))
 
 
-@pytest.mark.parametrize("path", list(KERNELS))
-@pytest.mark.parametrize(
-    "part, value, match",
-    [
-        ("bias", jnp.zeros((4, 4)), "cannot add a bias"),
-        ("mask", jnp.ones((4, 4), bool), "cannot read a dense mask"),
-        ("return_weights", True, "return_weights=True needs 'xla'"),
-        ("dropout_rate", 0.1, "has no dropout"),
-    ],
-)
-def test_refusals_name_the_part(path, part, value, match):
-    x = jnp.ones((1, 2, 4, 8))
-    options = {**OFF, "scale": 1.0, part: value}
-    if part == "dropout_rate":
-        options["deterministic"] = False
-    with pytest.raises(ValueError, match=match):
-        KERNELS[path](x, x, x, **options)
+@pytest.mark.parametrize("name,batch,h,kh,n,s,parts", CASES,
+                         ids=[f"{c[0]}-{c[3]}of{c[2]}-{c[4]}x{c[5]}-{'-'.join(c[6])}" for c in CASES])
+def test_forward_matches_float64(rng, name, batch, h, kh, n, s, parts):
+    q, k, v = _inputs(rng, batch, h, kh, n, s)
+    parts = dict(parts)
+    allowed = np_allowed((*batch, h, n, s), is_causal=parts.get("is_causal", False),
+                         window=parts.get("local_window_size"), q_lengths=parts.get("q_lengths"),
+                         kv_lengths=parts.get("kv_lengths"))
+    kind = parts.pop("segments", None)
+    if kind:
+        qs, ks = _segments(rng, kind, batch, n, s)
+        seg = jnp.asarray(qs)
+        # The GPU kernel reads one array for both sides: hand it the same object.
+        parts.update(q_segment_ids=seg, kv_segment_ids=seg if ks is qs else jnp.asarray(ks))
+        allowed = allowed & _np_segments(qs, ks)
+    for key in ("q_lengths", "kv_lengths"):
+        if parts.get(key) is not None:
+            parts[key] = jnp.asarray(parts[key])
+    out = _call(name, q, k, v, **parts)
+    ref, _ = np_attention(q, k, v, mask=allowed, scale=1.0 / np.sqrt(q.shape[-1]))
+    assert out.shape == q.shape and out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=1e-5)
+    # The case must have had something to check: some rows empty or partial.
+    assert allowed.any()
 
 
-@pytest.mark.parametrize(
-    "options, match",
-    [
-        (dict(local_window_size=(3, 0)), "cannot express local_window_size"),
-        (dict(kv_lengths=jnp.array([3])), r"cannot express kv_lengths \(express padding as q_segment_ids\)"),
-        (dict(q_segment_ids=jnp.zeros((1, 4), jnp.int32), kv_segment_ids=jnp.zeros((1, 4), jnp.int32)),
-         "kv_segment_ids must be q_segment_ids"),
-        (dict(is_causal=True), r"only for N == S, got N=4, S=6"),
-    ],
-)
-def test_gpu_refusals(options, match):
-    q, k = jnp.ones((1, 2, 4, 8)), jnp.ones((1, 2, 6 if "is_causal" in options else 4, 8))
-    with pytest.raises(ValueError, match=match):
-        _pallas_gpu.pallas_gpu_attention(q, k, k, **{**OFF, "scale": 1.0, **options})
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_empty_rows_zero_value_and_gradient(rng, name):
+    # Causal with N > S (bottom-right): the first N - S queries see no key.
+    q, k, v = _inputs(rng, (1,), 2, 2, 256, 128)
+
+    def loss(q, k, v):
+        return jnp.sum(_call(name, q, k, v, is_causal=True) ** 2)
+
+    out = _call(name, q, k, v, is_causal=True)
+    assert not np.asarray(out[..., :128, :]).any()
+    assert np.asarray(out[..., 128:, :]).any()
+    gq, gk, gv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    assert all(np.isfinite(np.asarray(g)).all() for g in (gq, gk, gv))
+    assert not np.asarray(gq[..., :128, :]).any()
 
 
-def test_tpu_soft_cap_refuses_non_positive():
-    x = jnp.ones((1, 2, 4, 8))
-    with pytest.raises(ValueError, match=r"logits_soft_cap must be > 0, got 0"):
-        _pallas_tpu.pallas_tpu_attention(x, x, x, **{**OFF, "scale": 1.0}, logits_soft_cap=0)
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_gradients_match_float64_autodiff(rng, name):
+    batch, h, kh, n = (1,), 2, 1, 256
+    q, k, v = _inputs(rng, batch, h, kh, n, n)
+    qs, _ = _segments(rng, "packed", batch, n, n)
+    seg = jnp.asarray(qs)
+    ct = rng.standard_normal(q.shape)
+    allowed = np_allowed((*batch, h, n, n), is_causal=True) & _np_segments(qs, qs)
+
+    def loss(q, k, v):
+        return jnp.sum(_call(name, q, k, v, is_causal=True, q_segment_ids=seg, kv_segment_ids=seg) * ct)
+
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    with x64():
+        def ref_loss(q, k, v):
+            return jnp.sum(jax_reference(q, k, v, jnp.asarray(allowed)) * ct)
+
+        want = jax.grad(ref_loss, argnums=(0, 1, 2))(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
+        want = [np.asarray(w) for w in want]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), w, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_jit_vmap_and_leading_batch_rank(rng, name):
+    # vmap over one axis of a rank-2 batch: the kernel sees (B=2) inside each mapped call.
+    q, k, v = _inputs(rng, (2, 1), 2, 2, 128, 128)
+    f = jax.jit(jax.vmap(lambda q, k, v: _call(name, q, k, v, is_causal=True)))
+    out = f(q, k, v)
+    ref, _ = np_attention(q, k, v, mask=np_allowed(q.shape[:-1] + (128,), is_causal=True),
+                          scale=1.0 / np.sqrt(64))
+    np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_forward_mode_is_refused_clearly(rng, name):
+    # Both kernels are custom_vjp: JAX refuses jvp/jacfwd with a one-line TypeError at
+    # trace time (the docstrings quote it), never a trace from inside the kernel.
+    q, k, v = _inputs(rng, (1,), 1, 1, 128, 128)
+    with pytest.raises(TypeError, match="forward-mode autodiff .* custom_vjp"):
+        jax.jvp(lambda q: _call(name, q, k, v), (q,), (q,))
+    with pytest.raises(TypeError, match="forward-mode autodiff .* custom_vjp"):
+        jax.jacfwd(lambda q: _call(name, q, k, v).sum())(q)
+
+
+REFUSALS = [
+    (dict(bias=np.zeros((128, 128), np.float32)), "bias"),
+    (dict(mask=np.ones((128, 128), bool)), "dense mask"),
+    (dict(return_weights=True), "return_weights"),
+    (dict(dropout_rate=0.1, deterministic=False), "dropout"),
+]
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+@pytest.mark.parametrize("parts,word", REFUSALS, ids=[w for _, w in REFUSALS])
+def test_refuses_what_it_cannot_express(rng, name, parts, word):
+    q, k, v = _inputs(rng, (1,), 1, 1, 128, 128)
+    with pytest.raises(ValueError, match=f"{name} cannot .*{word}"):
+        _call(name, q, k, v, **parts)
+
+
+@pytest.mark.parametrize("parts,word", [
+    (dict(local_window_size=(4, 4)), "local window"),
+    (dict(kv_lengths=jnp.asarray([64])), "lengths"),
+    (dict(logits_soft_cap=30.0), "logits_soft_cap"),
+    (dict(q_segment_ids=jnp.zeros((1, 128), jnp.int32), kv_segment_ids=jnp.ones((1, 128), jnp.int32)), "one segment-id array"),
+])
+def test_gpu_refuses_tpu_only_parts(rng, parts, word):
+    q, k, v = _inputs(rng, (1,), 1, 1, 128, 128)
+    with pytest.raises(ValueError, match=word):
+        _call("pallas_gpu", q, k, v, **parts)
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_bad_shapes_and_types_are_named(rng, name):
+    q, k, v = _inputs(rng, (1,), 3, 2, 128, 128)
+    with pytest.raises(ValueError, match="H=3, K=2"):
+        _call(name, q, k, v)
+    q, k, v = _inputs(rng, (1,), 2, 2, 128, 128)
+    with pytest.raises(TypeError, match="interpret"):
+        _call(name, q, k, v, interpret="yes")
+    with pytest.raises(TypeError, match="float32"):
+        seg = jnp.zeros((1, 128), jnp.float32)
+        _call(name, q, k, v, q_segment_ids=seg, kv_segment_ids=seg)
+
+
+def test_tpu_logits_soft_cap_matches_float64(rng):
+    # c * tanh(logits / c) on the scaled logits, before masking (API.md, third round).
+    # A cap of 1 on logits of size ~1..3 changes the output far beyond the tolerance.
+    q, k, v = _inputs(rng, (1,), 2, 2, 256, 256)
+    cap, scale = 1.0, 1.0 / np.sqrt(64)
+    out = _call("pallas_tpu", q, k, v, is_causal=True, logits_soft_cap=cap)
+    logits = np.einsum("bhnd,bhsd->bhns", q.astype(np.float64), k.astype(np.float64)) * scale
+    logits = np.where(np.tril(np.ones((256, 256), bool)), cap * np.tanh(logits / cap), -np.inf)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    want = (w / w.sum(-1, keepdims=True)) @ v.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=1e-5)
+    uncapped = _call("pallas_tpu", q, k, v, is_causal=True)
+    assert np.abs(np.asarray(uncapped) - want).max() > 1e-2
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        _call("pallas_tpu", q, k, v, logits_soft_cap=-1.0)
