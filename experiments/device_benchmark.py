@@ -58,7 +58,6 @@ def _segment_ids(batch: int, n: int) -> jax.Array:
 
 def make_call(path: str, seg: jax.Array):
     """`f(q, k, v) -> out` for one path, causal with packed segment ids."""
-    n = seg.shape[-1]
     if path in ("pallas_tpu", "pallas_gpu"):
         fn = pallas_tpu_attention if path == "pallas_tpu" else pallas_gpu_attention
         return lambda q, k, v: fn(q, k, v, scale=1.0 / np.sqrt(q.shape[-1]), is_causal=True, local_window_size=None,

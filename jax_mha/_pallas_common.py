@@ -11,8 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mha import _masking
-
 
 def refuse(path: str, *, mask, bias, return_weights, dropout_rate, deterministic) -> None:
     """Raises ValueError naming the first part of the description `path` cannot express

@@ -21,10 +21,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_mha import _masking
-from jax_mha._pallas_common import (default_interpret, kernel_segment_ids, refuse, round_up, row_has_key)
+from jax_mha._pallas_common import default_interpret, kernel_segment_ids, refuse, round_up, row_has_key
 
 # MaxText's default splash block (sa_block_q = sa_block_kv = 512); 128 is the smallest
 # TPU tile, so short sequences use their own length rounded up to 128.
@@ -98,9 +97,12 @@ def pallas_tpu_attention(q, k, v, *, scale, is_causal, local_window_size, q_segm
     b = qs.shape[0]
     g = h // kh
     mqa = kh != h
-    kernel = _kernel(n_pad, s_pad, g if mqa else h, mqa, bool(is_causal),
-                     None if window is None else tuple(window), s - n, bq, bkv,
-                     None if logits_soft_cap is None else float(logits_soft_cap), interpret)
+    # Built eagerly even under jit: the kernel is cached across calls, and tables it made
+    # inside one trace would leak that trace's tracers into the next.
+    with jax.ensure_compile_time_eval():
+        kernel = _kernel(n_pad, s_pad, g if mqa else h, mqa, bool(is_causal),
+                         None if window is None else tuple(window), s - n, bq, bkv,
+                         None if logits_soft_cap is None else float(logits_soft_cap), interpret)
 
     # splash does not scale the logits: fold the scale into q (exact, and differentiable).
     qf = (q * jnp.asarray(scale, q.dtype)).reshape(b, h, n, d)

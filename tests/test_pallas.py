@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_mha import attention
 from jax_mha._pallas_gpu import pallas_gpu_attention
 from jax_mha._pallas_tpu import pallas_tpu_attention
 from tests.conftest import jax_reference, np_allowed, np_attention, x64
@@ -205,3 +206,16 @@ def test_tpu_logits_soft_cap_matches_float64(rng):
     assert np.abs(np.asarray(uncapped) - want).max() > 1e-2
     with pytest.raises(ValueError, match="logits_soft_cap"):
         _call("pallas_tpu", q, k, v, logits_soft_cap=-1.0)
+
+
+@pytest.mark.parametrize("path", ["pallas_tpu", "pallas_gpu"])
+def test_attention_dispatches_to_the_kernel_across_traces(path):
+    """`attention(implementation=path)` under two jits of the same shapes: the cached
+    splash kernel must not carry the first trace's tracers into the second."""
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.standard_normal((2, 4, 128, 16)), jnp.float32)
+    k = v = jnp.asarray(rng.standard_normal((2, 2, 128, 16)), jnp.float32)
+    ids = jnp.asarray(np.repeat(np.arange(2), 64)[None].repeat(2, 0))
+    for options in (dict(is_causal=True), dict(is_causal=True, q_segment_ids=ids)):
+        got = jax.jit(lambda q, k, v: attention(q, k, v, implementation=path, **options))(q, k, v)  # noqa: B023
+        np.testing.assert_allclose(got, attention(q, k, v, **options), atol=2e-5)
