@@ -18,12 +18,20 @@ from jax_mha import FeedForward, MultiHeadAttention, TransformerBlock, causal_ma
 from jax_mha._projection import projection_dot_general
 
 
-@pytest.fixture(autouse=True, params=["standard", "strict"])
+@pytest.fixture(autouse=True)
 def promotion(request):
     """Every test of this suite runs under standard and strict dtype promotion
-    (equinox's suite runs strict; a library that promotes implicitly breaks there)."""
-    with jax.numpy_dtype_promotion(request.param):
-        yield request.param
+    (equinox's suite runs strict; a library that promotes implicitly breaks there).
+    Parametrized by `pytest_generate_tests`, which pytest skips for unittest-style
+    classes (chex's `TestCase`): those run under standard promotion."""
+    mode = getattr(request, "param", "standard")
+    with jax.numpy_dtype_promotion(mode):
+        yield mode
+
+
+def pytest_generate_tests(metafunc):
+    if "promotion" in metafunc.fixturenames:
+        metafunc.parametrize("promotion", ["standard", "strict"], indirect=True)
 
 
 # B, N, S, H, D: distinct primes; d_model = H * D.

@@ -43,7 +43,7 @@ def test_quick_start_commands():
     commands = re.search(r"^```bash\n(.*?)^```", quick_start, flags=re.DOTALL | re.MULTILINE).group(1).splitlines()
     assert commands == [
         'python -m pip install -e ".[dev]"',
-        "python -m experiments.head_ablation --task lm --preset quick",
+        "python -m experiments.head_ablation",
         "pytest",
     ]
     assert re.search(r"^pytest$", quick_start, flags=re.MULTILINE)
