@@ -1,9 +1,6 @@
 """The positive control of the induction probe (issue 22, item 2d): a tiny 2-layer
 model trained 800 steps on repeated random sequences of varying length must score
-above the induction threshold on prefix matching and copy. About 30 s on 2 busy cores
-(asserted < 60 s)."""
-
-import time
+above the induction threshold on prefix matching and copy. About 30 s on 2 busy cores."""
 
 import jax
 import numpy as np
@@ -29,9 +26,7 @@ def test_repeat_task_generator():
 def test_tiny_model_trained_on_repeats_has_an_induction_head():
     """The library's threshold (more than half the weight on the one key; uniform
     attention scores 0.056 on this probe). Measured at seed 0: 0.64 (layer 1, head 0)."""
-    start = time.perf_counter()
     out = induction_control.run(seed=0)
     assert out["prefix_matching"].max() > head_types.INDUCTION_THRESHOLD > 5 * out["chance"], out
     assert out["prefix_matching"][1].max() > out["prefix_matching"][0].max()  # the lookup is the second layer's
     assert out["copying"] > 1.0, out  # the second copy is much easier: the head is used
-    assert time.perf_counter() - start < 60
