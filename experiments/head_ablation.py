@@ -11,8 +11,8 @@ accuracy and per-head attention entropy.
     python -m experiments.head_ablation --task lm --preset standard   # d_model=128, T=128, 2400 steps (not yet timed)
     python -m experiments.head_ablation --task lm --preset quick --head-dim 32   # the head-size control: heads of 32
     python -m experiments.head_ablation --task lm --text FILE     # your own UTF-8 corpus
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m experiments.head_ablation --task lm --preset tiny \
-        --mesh data=1,sequence=4                                  # tokens split over 4 devices (ring attention)
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 \\
+        python -m experiments.head_ablation --task lm --preset tiny --mesh data=1,sequence=4   # ring attention
 
 With --task lm (issue 10, "Heads on real text") the models are character language
 models of the Python Language Reference (`jax_mha.lab.text`); there is no early stopping.
