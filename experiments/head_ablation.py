@@ -11,6 +11,8 @@ accuracy and per-head attention entropy.
     python -m experiments.head_ablation --task lm --preset standard   # d_model=128, T=128, 2400 steps (not yet timed)
     python -m experiments.head_ablation --task lm --preset quick --head-dim 32   # the head-size control: heads of 32
     python -m experiments.head_ablation --task lm --text FILE     # your own UTF-8 corpus
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 \\
+        python -m experiments.head_ablation --task lm --preset tiny --mesh data=1,sequence=4   # ring attention
 
 With --task lm (issue 10, "Heads on real text") the models are character language
 models of the Python Language Reference (`jax_mha.lab.text`); there is no early stopping.
@@ -62,9 +64,6 @@ def _mesh_spec(text: str) -> dict[str, int]:
         spec = parallel.parse_mesh_spec(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    if spec.get("sequence", 1) > 1:  # the models do not call ring_attention yet
-        raise argparse.ArgumentTypeError(f"sequence={spec['sequence']}: the study's models are not split along the "
-                                         "sequence yet; use data= and model= (ring_attention works on its own)")
     return spec
 
 
@@ -100,7 +99,9 @@ def build_parser():
     p.add_argument("--measure-vmap-speedup", action="store_true",
                    help="also time vmap over seeds against a Python loop over seeds (4 chunks each, largest head count)")
     p.add_argument("--mesh", type=_mesh_spec, help="run sharded on a device mesh, e.g. 'data=2,model=2' (heads split over "
-                   "'model', the batch over 'data'; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=4)")
+                   "'model', the batch over 'data') or 'data=1,sequence=4' (the tokens of each sequence over "
+                   "'sequence', ring attention: T a multiple of P², 16 for sequence=4); on CPU set "
+                   "XLA_FLAGS=--xla_force_host_platform_device_count=4")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--tensorboard", type=Path, metavar="DIR", help="also write every evaluation's metrics as "
                    "TensorBoard events under DIR, one run per head count and seed (needs the tensorboard extra)")
@@ -147,6 +148,11 @@ def _given(**kw):
 
 
 def _make_mesh(args, cfg: AblationConfig):
+    try:  # before the mesh: a wrong length is refused on any number of devices
+        parallel.check_sequence_divisible(cfg.task.seq_len, args.mesh.get("sequence", 1))
+    except ValueError as e:
+        fix = "--seq-len" if cfg.task.name == "lm" else "--length (the model reads T = 2L+2)"
+        raise ValueError(f"--mesh sequence={args.mesh['sequence']} (ring attention): {e}; choose {fix} to fit") from None
     mesh = parallel.make_mesh(**args.mesh)
     for h in cfg.heads:
         parallel.check_heads_divisible(h, mesh)

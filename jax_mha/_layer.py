@@ -279,10 +279,23 @@ def gate_heads(out, head_mask):
     return out * gate.astype(out.dtype)
 
 
+def check_attention_fn(attention_fn):
+    """`attention_fn`, validated: None (the default, `jax_mha.attention`) or a callable.
+
+    Raises:
+      TypeError: naming the value, when it is neither.
+    """
+    if attention_fn is not None and not callable(attention_fn):
+        raise TypeError(f"attention_fn must be a callable with jax_mha.attention's signature (or None for "
+                        f"jax_mha.attention), got {attention_fn!r}")
+    return attention_fn
+
+
 def attend(
     q, k, v, *, mask=None, bias=None, is_causal=False, local_window_size=None, q_lengths=None,
     kv_lengths=None, segment_ids=None, positions=None, rope_base=None, cache: Cache | None = None, bias_kv=None,
-    add_zero_attn=False, head_mask=None, need_weights=False, **core_options,
+    add_zero_attn=False, head_mask=None, need_weights=False, attention_fn=None, score_mod=None, mask_mod=None,
+    logits_soft_cap=None, **core_options,
 ):
     """Everything between the projections and the output projection.
 
@@ -300,6 +313,12 @@ def attend(
       bias_kv: `(bias_k, bias_v)`, each `(K*D,)`, or None; add_zero_attn: PyTorch's.
       head_mask: gates on the heads, see `gate_heads`.
       need_weights: also return the weights.
+      attention_fn: called instead of `jax_mha.attention` (None: that one), as
+        `attention_fn(q, k, v, mask=, bias=, is_causal=, local_window_size=,
+        q_lengths=, kv_lengths=, q_segment_ids=, kv_segment_ids=, return_weights=,
+        **core_options)` and the three below when given.
+      score_mod, mask_mod, logits_soft_cap: passed on to `attention_fn` only when
+        not None (so an `attention_fn` without them keeps working).
       **core_options: dropout_rate, dropout_rng, deterministic, implementation.
 
     Returns:
@@ -336,10 +355,12 @@ def attend(
             raise ValueError("segment_ids cannot be combined with add_bias_kv or add_zero_attn: their extra keys "
                              "belong to no segment")
     k, v, mask, bias, kv_lengths, extra = prepend_extra_keys(k, v, mask, bias, kv_lengths, bias_kv, add_zero_attn)
-    result = attention(
-        q, k, v, mask, bias, is_causal=is_causal, local_window_size=local_window_size,
+    mods = {name: x for name, x in (("score_mod", score_mod), ("mask_mod", mask_mod),
+                                     ("logits_soft_cap", logits_soft_cap)) if x is not None}
+    result = (attention if attention_fn is None else attention_fn)(
+        q, k, v, mask=mask, bias=bias, is_causal=is_causal, local_window_size=local_window_size,
         q_lengths=q_lengths, kv_lengths=kv_lengths, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-        return_weights=need_weights, **core_options,
+        return_weights=need_weights, **core_options, **mods,
     )
     out, weights = result if need_weights else (result, None)
     if extra and weights is not None:

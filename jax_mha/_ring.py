@@ -75,7 +75,7 @@ def _visible(ring: _Ring, q_pos, k_pos, kv_lengths) -> jax.Array:
         ok &= k_pos <= q_pos + ring.right
     ok = ok[None, None, None]  # (1, 1, 1, n, s)
     if kv_lengths is not None:
-        ok = ok & (k_pos[None, None] < kv_lengths[:, None, None, None, None])  # (B, 1, 1, n, s)
+        ok = ok & (k_pos[None, None, None] < kv_lengths[:, None, None, None, None])  # (B, 1, 1, n, s)
     return ok
 
 

@@ -72,6 +72,16 @@ class MultiHeadAttention(nn.Module):
       sow_weights: always sow the weights into "intermediates" (see `__call__`).
       add_bias_kv: PyTorch's: a learned key and value every query also attends to.
       add_zero_attn: PyTorch's: a zero key and value every query also attends to.
+      attention_fn: flax's hook: a callable with `jax_mha.attention`'s signature,
+        called instead of it (default None: `jax_mha.attention`). It receives the heads
+        `q (B…, H, N, D)`, `k, v (B…, K, S, D)` after RoPE (and the cache step) and
+        the keywords `mask, bias, is_causal, local_window_size, q_lengths,
+        kv_lengths, q_segment_ids, kv_segment_ids, return_weights, dropout_rate,
+        dropout_rng, deterministic, implementation`, plus `score_mod`, `mask_mod`,
+        `logits_soft_cap` when the call gives them; it returns `(B…, H, N, Dv)`, or
+        `(out, weights)` when `return_weights`. Fix core options for every call with
+        `functools.partial(jax_mha.attention, ...)`; `jax_mha.parallel.ring_attention_fn`
+        splits the sequence over a mesh. Not a callable: `TypeError` at construction.
     """
 
     num_heads: int
@@ -96,9 +106,11 @@ class MultiHeadAttention(nn.Module):
     sow_weights: bool = False
     add_bias_kv: bool = False
     add_zero_attn: bool = False
+    attention_fn: Callable | None = None
 
     def __post_init__(self):
         _layer.check_dropout_rate(self.dropout_rate)
+        _layer.check_attention_fn(self.attention_fn)
         _layer.check_width("num_heads", self.num_heads)
         _layer.check_width("d_model", self.d_model, allow_none=True)
         _layer.check_width("num_kv_heads", self.num_kv_heads, allow_none=True)
@@ -174,6 +186,9 @@ class MultiHeadAttention(nn.Module):
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
         head_mask: jax.Array | None = None,
+        score_mod: Callable | None = None,
+        mask_mod: Callable | None = None,
+        logits_soft_cap: float | None = None,
         deterministic: bool = True,
         dropout_rng: jax.Array | None = None,
         return_weights: bool = False,
@@ -201,6 +216,10 @@ class MultiHeadAttention(nn.Module):
             for left-padded prompts); default `0 … N-1`, or from `cache_index`.
           head_mask: float `(H,)` or broadcastable to `(B…, H)`; multiplies each head's
             output before the heads are combined (0 removes a head).
+          score_mod, mask_mod, logits_soft_cap: as in `jax_mha.attention`
+            (FlexAttention's score and mask functions, Gemma 2's soft cap); passed to
+            `attention_fn` only when given, like `local_window_size` a per-call
+            option (fix one for every call with `attention_fn=functools.partial(...)`).
           deterministic: disables dropout.
           dropout_rng: key for the weights' dropout; default `make_rng("dropout")`.
           return_weights: also return the attention weights.
@@ -239,6 +258,7 @@ class MultiHeadAttention(nn.Module):
             bias_kv=self._extra_kv(kv_heads * head_dim), add_zero_attn=self.add_zero_attn,
             head_mask=head_mask, need_weights=return_weights or sow, dropout_rate=self.dropout_rate,
             dropout_rng=dropout_rng, deterministic=deterministic, implementation=self.implementation,
+            attention_fn=self.attention_fn, score_mod=score_mod, mask_mod=mask_mod, logits_soft_cap=logits_soft_cap,
         )
         if cache is not None:
             for name, x in zip(("cached_key", "cached_value", "cache_index", "cached_segment_ids"), cache):
@@ -301,7 +321,8 @@ class TransformerBlock(nn.Module):
       dtype, param_dtype: computation and parameter dtypes.
       precision: precision of every projection (attention and feed-forward).
       implementation: attention implementation, see `jax_mha.attention`.
-      decode, normalize_qk, rope, rope_base, sow_weights: as in `MultiHeadAttention`.
+      decode, normalize_qk, rope, rope_base, sow_weights, attention_fn: as in
+        `MultiHeadAttention`.
     """
 
     num_heads: int
@@ -319,54 +340,45 @@ class TransformerBlock(nn.Module):
     rope: bool = False
     rope_base: float = 10000.0
     sow_weights: bool = False
+    attention_fn: Callable | None = None
 
     def __post_init__(self):
         _layer.check_dropout_rate(self.dropout_rate)
         _layer.check_dropout_rate(self.attention_dropout_rate, "attention_dropout_rate")
+        _layer.check_attention_fn(self.attention_fn)
         _layer.check_width("d_ff", self.d_ff)
         _layer.check_width("num_heads", self.num_heads)
         super().__post_init__()
 
     @nn.compact
-    def __call__(
-        self,
-        x: jax.Array,
-        mask: jax.Array | None = None,
-        *,
-        is_causal: bool = False,
-        bias: jax.Array | None = None,
-        local_window_size: int | tuple[int | None, int | None] | None = None,
-        q_lengths: jax.Array | None = None,
-        kv_lengths: jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
-        positions: jax.Array | None = None,
-        head_mask: jax.Array | None = None,
-        deterministic: bool = True,
-        dropout_rng: jax.Array | None = None,
-        return_weights: bool = False,
-        sow_weights: bool = False,
-    ):
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None, *, deterministic: bool = True,
+                 return_weights: bool = False, **attention_args):
         """Applies the block.
 
         Args:
           x: `(B…, N, d_model)`.
           mask: bool, broadcastable to `(B…, H, N, N)` (`(B…, H, N, L)` when
             decoding), True = may attend.
-          is_causal, bias, local_window_size, q_lengths, kv_lengths, segment_ids,
-            positions, head_mask, sow_weights: passed to `MultiHeadAttention` (see there).
           deterministic: disables dropout.
-          dropout_rng: key for the attention weights' dropout (the residual and
-            feed-forward dropouts draw from the "dropout" rng collection).
           return_weights: also return the attention weights `(B…, H, N, N)`.
+          **attention_args: keyword arguments of `MultiHeadAttention.__call__`
+            (is_causal, bias, local_window_size, q_lengths, kv_lengths, segment_ids,
+            positions, head_mask, score_mod, mask_mod, logits_soft_cap, dropout_rng
+            (the attention weights' dropout; the residual and feed-forward dropouts
+            draw from the "dropout" rng collection), sow_weights), as the NNX block.
 
         Returns:
           `(B…, N, d_model)`, or `(y, weights)` with `return_weights=True`.
+
+        Raises:
+          TypeError: for a keyword `MultiHeadAttention.__call__` does not take.
         """
         mha = MultiHeadAttention(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, dropout_rate=self.attention_dropout_rate,
             dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision,
             implementation=self.implementation, decode=self.decode, normalize_qk=self.normalize_qk,
-            rope=self.rope, rope_base=self.rope_base, sow_weights=self.sow_weights, name="attention",
+            rope=self.rope, rope_base=self.rope_base, sow_weights=self.sow_weights, attention_fn=self.attention_fn,
+            name="attention",
         )
         norm1 = functools.partial(_layer.layer_norm, nn.LayerNorm(
             dtype=_layer.norm_dtype(self.dtype), param_dtype=self.param_dtype, name="norm1"), dtype=self.dtype)
@@ -376,13 +388,7 @@ class TransformerBlock(nn.Module):
         drop = lambda y: nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
 
         def attend(y):
-            result = mha(
-                y, mask=mask, is_causal=is_causal, bias=bias, local_window_size=local_window_size,
-                q_lengths=q_lengths, kv_lengths=kv_lengths, segment_ids=segment_ids, positions=positions,
-                head_mask=head_mask,
-                deterministic=deterministic, dropout_rng=dropout_rng, return_weights=return_weights,
-                sow_weights=sow_weights,
-            )
+            result = mha(y, mask=mask, deterministic=deterministic, return_weights=return_weights, **attention_args)
             return result if return_weights else (result, None)
 
         if self.pre_norm:

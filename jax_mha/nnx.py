@@ -37,8 +37,9 @@ class MultiHeadAttention(nnx.Module):
     option). `num_kv_heads`, `out_features`, `qkv_bias`, `out_bias`, `dropout_rate`,
     `dtype`, `param_dtype`, `precision`, `kernel_init`, `bias_init`, `out_kernel_init`,
     `out_bias_init`, `implementation`, `decode`, `normalize_qk`, `rope`, `rope_base`,
-    `sow_weights`, `add_bias_kv` and `add_zero_attn` are as in the linen module; the
-    others:
+    `sow_weights`, `add_bias_kv`, `add_zero_attn` and `attention_fn` (flax's hook: a
+    callable with `jax_mha.attention`'s signature, called instead of it) are as in
+    the linen module; the others:
 
     Args:
       num_heads: H.
@@ -52,6 +53,7 @@ class MultiHeadAttention(nnx.Module):
     Raises:
       ValueError: naming the numbers, for indivisible head counts or a
         `dropout_rate` outside [0, 1).
+      TypeError: for an `attention_fn` that is not callable.
     """
 
     def __init__(
@@ -83,9 +85,11 @@ class MultiHeadAttention(nnx.Module):
         sow_weights: bool = False,
         add_bias_kv: bool = False,
         add_zero_attn: bool = False,
+        attention_fn: Callable | None = None,
         rngs: nnx.Rngs,
     ):
         _layer.check_dropout_rate(dropout_rate)
+        self.attention_fn = _layer.check_attention_fn(attention_fn)
         self.num_heads = num_heads
         self.d_model = _layer.check_width("d_model", _first(d_model, in_features))
         _layer.check_width("out_features", out_features, allow_none=True)
@@ -169,6 +173,9 @@ class MultiHeadAttention(nnx.Module):
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
         head_mask: jax.Array | None = None,
+        score_mod: Callable | None = None,
+        mask_mod: Callable | None = None,
+        logits_soft_cap: float | None = None,
         deterministic: bool | None = None,
         dropout_rng: jax.Array | None = None,
         rngs: nnx.Rngs | None = None,
@@ -202,6 +209,7 @@ class MultiHeadAttention(nnx.Module):
             add_zero_attn=self.add_zero_attn, head_mask=head_mask, need_weights=return_weights or sow,
             dropout_rate=self.dropout_rate, dropout_rng=self._dropout_rng(deterministic, dropout_rng, rngs),
             deterministic=_first(deterministic, self.deterministic), implementation=self.implementation,
+            attention_fn=self.attention_fn, score_mod=score_mod, mask_mod=mask_mod, logits_soft_cap=logits_soft_cap,
         )
         if cache is not None:
             self.cached_key[...], self.cached_value[...], self.cache_index[...] = cache[:3]
@@ -236,7 +244,8 @@ class TransformerBlock(nnx.Module):
     `jax_mha.TransformerBlock` (post-norm by default, pre-norm with `pre_norm=True`).
     `num_heads`, `d_ff`, `num_kv_heads`, `dropout_rate`, `attention_dropout_rate`,
     `pre_norm`, `dtype`, `param_dtype`, `precision`, `implementation`, `decode`,
-    `normalize_qk`, `rope`, `rope_base` and `sow_weights` are as in the linen block.
+    `normalize_qk`, `rope`, `rope_base`, `sow_weights` and `attention_fn` are as in
+    the linen block.
 
     Args:
       d_model: the width of the input and output.
@@ -252,7 +261,8 @@ class TransformerBlock(nnx.Module):
         dropout_rate: float = 0.0, attention_dropout_rate: float = 0.0, pre_norm: bool = False,
         deterministic: bool = True, dtype: Any = None, param_dtype: Any = jnp.float32, precision: Any = None,
         implementation: str | None = "auto", decode: bool = False, normalize_qk: bool = False, rope: bool = False,
-        rope_base: float = 10000.0, sow_weights: bool = False, rngs: nnx.Rngs,
+        rope_base: float = 10000.0, sow_weights: bool = False, attention_fn: Callable | None = None,
+        rngs: nnx.Rngs,
     ):
         _layer.check_dropout_rate(dropout_rate)
         _layer.check_dropout_rate(attention_dropout_rate, "attention_dropout_rate")
@@ -262,7 +272,7 @@ class TransformerBlock(nnx.Module):
             num_heads, d_model, num_kv_heads=num_kv_heads, dropout_rate=attention_dropout_rate,
             deterministic=deterministic, dtype=dtype, param_dtype=param_dtype, precision=precision,
             implementation=implementation, decode=decode, normalize_qk=normalize_qk, rope=rope, rope_base=rope_base,
-            sow_weights=sow_weights, rngs=rngs,
+            sow_weights=sow_weights, attention_fn=attention_fn, rngs=rngs,
         )
         norm = lambda: nnx.LayerNorm(d_model, dtype=_layer.norm_dtype(dtype), param_dtype=param_dtype, rngs=rngs)
         self.norm_dtype = dtype
@@ -286,7 +296,7 @@ class TransformerBlock(nnx.Module):
           return_weights: also return the attention weights.
           **attention_args: keyword arguments of `MultiHeadAttention.__call__`
             (is_causal, bias, local_window_size, q_lengths, kv_lengths, segment_ids, positions,
-            head_mask, dropout_rng, rngs, sow_weights, decode).
+            head_mask, score_mod, mask_mod, logits_soft_cap, dropout_rng, rngs, sow_weights, decode).
 
         Returns:
           `(B…, N, d_model)`, or `(y, weights)` with `return_weights=True`.

@@ -58,6 +58,8 @@ BAD_ARGUMENTS = [
     ("head_ablation", ["--heads", "3", "--d-model", "8"], "d_model=8 is not divisible by num_heads=3"),
     ("head_ablation", ["--mesh", "data=x"], "mesh axis 'data' needs a positive integer size"),
     ("head_ablation", ["--mesh", "data=1,model=2"], "data=1 x sequence=1 x model=2 needs 2 devices, only 1 available"),
+    ("head_ablation", ["--task", "lm", "--seq-len", "20", "--mesh", "data=1,sequence=4"],
+     "sequence length 20 is not a multiple of 4² = 16"),
     ("head_ablation", ["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
     ("head_ablation", ["--task", "bogus"], "argument --task: invalid choice: 'bogus'"),
     ("head_ablation", ["--task", "lm", "--length", "5"], "--length and --reverse are copy-task options"),

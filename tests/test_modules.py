@@ -868,3 +868,83 @@ def test_decoding_keeps_each_rows_segment(rng):
     with pytest.raises(ValueError, match="segment_ids when decoding needs a cache made with segment_ids"):
         decoder.apply({"params": plain_params, "cache": plain_cache}, x[:, :1], segment_ids=ids[:, :1],
                       mutable=["cache"])
+
+
+# --------------------------------------------------------------------------- attention_fn
+
+
+class Spy:
+    """An `attention_fn`: records the keywords of each call and returns `scale` times
+    `jax_mha.attention` (called without the mods, which it may not know)."""
+
+    def __init__(self, scale=1.0):
+        self.scale, self.calls = scale, []
+
+    def __call__(self, q, k, v, **kwargs):
+        from jax_mha import attention
+
+        self.calls.append(kwargs)
+        core = {name: x for name, x in kwargs.items() if name not in ("score_mod", "mask_mod", "logits_soft_cap")}
+        out = attention(q, k, v, **core)
+        if core.get("return_weights"):
+            return out[0] * self.scale, out[1]
+        return out * self.scale
+
+
+def test_attention_fn_is_called_instead_of_the_core(rng, np_attention):
+    x = normal(rng, (B, N, D_MODEL))
+    spy = Spy(scale=2.0)
+    model = MultiHeadAttention(num_heads=H, qkv_bias=True, attention_fn=spy)
+    params = init_params(model, x)
+    spy.calls.clear()  # init's call
+    out = model.apply(params, x, is_causal=True, local_window_size=(2, 0), kv_lengths=jnp.array([N, 3]))
+    allowed = np.arange(N)[None, :] <= np.arange(N)[:, None]
+    allowed = allowed & (np.arange(N)[None, :] >= np.arange(N)[:, None] - 2)
+    allowed = allowed[None, None] & (np.arange(N) < np.array([N, 3])[:, None])[:, None, None, :]  # (B, 1, N, N)
+    doubled = lambda q, k, v, m: (2.0 * np_attention(q, k, v, m)[0], None)
+    ref, _ = np_mha(params["params"], x, x, x, H, H, doubled, allowed)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    (call,) = spy.calls
+    assert call["is_causal"] is True and call["local_window_size"] == (2, 0)
+    assert call["implementation"] == "auto" and call["return_weights"] is False
+    assert not {"score_mod", "mask_mod", "logits_soft_cap"} & set(call)  # not given: not passed
+
+
+def test_attention_fn_receives_the_mods_and_a_partial_equals_the_default(rng):
+    from functools import partial
+
+    from jax_mha import attention
+
+    x = normal(rng, (B, N, D_MODEL))
+    spy = Spy()
+    score_mod, mask_mod = (lambda s, b, h, i, j: s), (lambda b, h, i, j: j <= i)
+    params = init_params(MultiHeadAttention(num_heads=H), x)
+    MultiHeadAttention(num_heads=H, attention_fn=spy).apply(params, x, score_mod=score_mod, mask_mod=mask_mod,
+                                                            logits_soft_cap=30.0)
+    assert spy.calls[0]["score_mod"] is score_mod and spy.calls[0]["mask_mod"] is mask_mod
+    assert spy.calls[0]["logits_soft_cap"] == 30.0
+    blockwise = MultiHeadAttention(num_heads=H, attention_fn=partial(attention, implementation="blockwise"))
+    np.testing.assert_allclose(blockwise.apply(params, x, is_causal=True),
+                               MultiHeadAttention(num_heads=H).apply(params, x, is_causal=True), atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [lambda f: MultiHeadAttention(num_heads=H, attention_fn=f),
+                                  lambda f: TransformerBlock(num_heads=H, d_ff=7, attention_fn=f)])
+def test_attention_fn_that_is_not_callable_raises_naming_it(make):
+    with pytest.raises(TypeError, match="attention_fn must be a callable .*got 'blockwise'"):
+        make("blockwise")
+
+
+def test_transformer_block_forwards_attention_options_and_attention_fn(rng):
+    x = normal(rng, (B, N, D_MODEL))
+    spy = Spy()
+    block = TransformerBlock(num_heads=H, d_ff=7, attention_fn=spy)
+    params = init_params(block, x)
+    spy.calls.clear()  # init's call
+    options = dict(is_causal=True, local_window_size=(1, 0), kv_lengths=jnp.array([4, N]))
+    out = block.apply(params, x, logits_soft_cap=5.0, **options)
+    (call,) = spy.calls
+    assert call["logits_soft_cap"] == 5.0 and call["local_window_size"] == (1, 0) and call["is_causal"]
+    np.testing.assert_allclose(out, TransformerBlock(num_heads=H, d_ff=7).apply(params, x, **options), atol=1e-6)
+    with pytest.raises(TypeError, match="windows"):
+        block.apply(params, x, windows=3)

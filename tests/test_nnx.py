@@ -161,3 +161,51 @@ def test_half_precision_under_strict_promotion(rng, dtype):
         assert block(x, is_causal=True).dtype == dtype
         mha = jnnx.MultiHeadAttention(H, D_MODEL, normalize_qk=True, dtype=dtype, rngs=nnx.Rngs(0))
         assert mha(x).dtype == dtype
+
+
+class Spy:
+    """An `attention_fn`: records each call's keywords, returns `scale` x `attention`."""
+
+    def __init__(self, scale=1.0):
+        self.scale, self.calls = scale, []
+
+    def __call__(self, q, k, v, **kwargs):
+        self.calls.append(kwargs)
+        core = {name: x for name, x in kwargs.items() if name not in ("score_mod", "mask_mod", "logits_soft_cap")}
+        return self.scale * jax_mha.attention(q, k, v, **core)
+
+
+def test_attention_fn_replaces_the_core_as_in_linen(rng):
+    x = normal(rng, (B, N, D_MODEL))
+    spy = Spy(scale=3.0)
+    ours = randomize(jnnx.MultiHeadAttention(H, D_MODEL, attention_fn=spy, rngs=nnx.Rngs(0)))
+    linen = jax_mha.MultiHeadAttention(num_heads=H, attention_fn=Spy(scale=3.0))
+    plain = jax_mha.MultiHeadAttention(num_heads=H)
+    params = jnnx.to_linen_params(ours)
+    out = nnx.jit(lambda m: m(x, is_causal=True, logits_soft_cap=20.0))(ours)  # the hook survives nnx.jit
+    np.testing.assert_allclose(out, linen.apply({"params": params}, x, is_causal=True), rtol=1e-5, atol=1e-5)
+    # Independent of the hook's plumbing: 3 x the heads before a linear output projection.
+    bias = np.asarray(params["out"]["bias"])  # NumPy: broadcasting allowed
+    np.testing.assert_allclose(np.asarray(out) - bias,
+                               3.0 * (np.asarray(plain.apply({"params": params}, x, is_causal=True)) - bias),
+                               rtol=1e-5, atol=1e-5)
+    assert spy.calls[-1]["logits_soft_cap"] == 20.0 and spy.calls[-1]["is_causal"] is True
+    assert "score_mod" not in spy.calls[-1]
+
+
+def test_transformer_block_forwards_mods_to_attention_fn(rng):
+    x = normal(rng, (B, N, D_MODEL))
+    spy = Spy()
+    block = jnnx.TransformerBlock(D_MODEL, H, 7, attention_fn=spy, rngs=nnx.Rngs(0))
+    mask_mod = lambda b, h, i, j: j <= i
+    out = block(x, is_causal=True, mask_mod=mask_mod, local_window_size=(2, 0))
+    assert spy.calls[-1]["mask_mod"] is mask_mod and spy.calls[-1]["local_window_size"] == (2, 0)
+    block.attention.attention_fn = None  # the default core on the same weights
+    np.testing.assert_allclose(out, block(x, is_causal=True, local_window_size=(2, 0)), atol=1e-6)
+
+
+def test_attention_fn_that_is_not_callable_raises_naming_it():
+    for make in (lambda f: jnnx.MultiHeadAttention(H, D_MODEL, attention_fn=f, rngs=nnx.Rngs(0)),
+                 lambda f: jnnx.TransformerBlock(D_MODEL, H, 7, attention_fn=f, rngs=nnx.Rngs(0))):
+        with pytest.raises(TypeError, match="attention_fn must be a callable .*got 'xla'"):
+            make("xla")

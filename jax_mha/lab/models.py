@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Callable
 
 import flax.linen as nn
 import jax
@@ -88,6 +89,7 @@ class HeadSizeBlock(nn.Module):
     pre_norm: bool = True
     implementation: str = "xla"
     decode: bool = False
+    attention_fn: Callable | None = None
 
     @nn.compact
     def __call__(self, x, *, is_causal: bool, head_mask=None, deterministic: bool = True,
@@ -95,7 +97,7 @@ class HeadSizeBlock(nn.Module):
         """`(B…, N, d_model) -> (B…, N, d_model)`, or with the weights `(B…, H, N, N)`."""
         mha = MultiHeadAttention(num_heads=self.num_heads, d_model=self.num_heads * self.head_dim,
                                  out_features=x.shape[-1], implementation=self.implementation,
-                                 decode=self.decode, name="attention")
+                                 decode=self.decode, attention_fn=self.attention_fn, name="attention")
         norm1, norm2 = nn.LayerNorm(name="norm1"), nn.LayerNorm(name="norm2")
         ffn = FeedForward(self.d_ff, self.dropout_rate, name="ffn")
         drop = lambda y: nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
@@ -157,10 +159,16 @@ class Decoder(nn.Module):
     With `decode=True` (same parameters) every block keeps a KV cache and the model
     keeps `cache/position` (the next position to write): `init` with tokens of the
     cache length, then apply chunk by chunk with `mutable=["cache"]` (see `generate`).
+
+    `attention_fn` replaces every block's attention core (`MultiHeadAttention`'s
+    hook), with the same parameters: the trainer sets
+    `jax_mha.parallel.ring_attention_fn(mesh)` on a mesh with a "sequence" axis, so
+    each device holds T/P tokens (`jax_mha.lab.train.jit_train_chunk`).
     """
 
     config: ModelConfig
     decode: bool = False  # KV-cache decoding (see `generate`): blocks keep a "cache", positions continue from it
+    attention_fn: Callable | None = None  # None: jax_mha.attention; not part of the config (same parameters)
 
     @nn.compact
     def __call__(
@@ -209,13 +217,13 @@ class Decoder(nn.Module):
                 block = TransformerBlock(
                     num_heads=cfg.num_heads, d_ff=cfg.d_ff, dropout_rate=cfg.dropout_rate,
                     pre_norm=cfg.pre_norm, implementation=cfg.implementation, decode=self.decode,
-                    name=f"block_{layer}",
+                    attention_fn=self.attention_fn, name=f"block_{layer}",
                 )
             else:  # the library block takes its widths from d_model; this one from H * D
                 block = HeadSizeBlock(
                     num_heads=cfg.num_heads, head_dim=cfg.head_dim, d_ff=cfg.d_ff, dropout_rate=cfg.dropout_rate,
                     pre_norm=cfg.pre_norm, implementation=cfg.implementation, decode=self.decode,
-                    name=f"block_{layer}",
+                    attention_fn=self.attention_fn, name=f"block_{layer}",
                 )
             out = block(
                 x, is_causal=True, head_mask=None if head_mask is None else head_mask[layer],

@@ -171,6 +171,17 @@ def make_train_step(
     return train_step
 
 
+def sequence_parallel(model: Decoder, mesh: jax.sharding.Mesh | None) -> Decoder:
+    """The model to train on `mesh`: on a "sequence" axis of P > 1 devices its
+    attention runs as ring attention (`parallel.ring_attention_fn`) with every batch's
+    tokens split over that axis (`parallel.batch_sharding`), the same parameters and
+    the same result; otherwise `model` itself. Evaluation keeps `model` (it reads the
+    attention weights, which the ring never forms)."""
+    if parallel.sequence_size(mesh) == 1 or model.attention_fn is not None:
+        return model
+    return model.clone(attention_fn=parallel.ring_attention_fn(mesh))
+
+
 def _jit(fn: Callable, model: Decoder, optimizer, num_seeds: int | None, mesh, rules) -> Callable:
     """The one jit: the state donated and, on a mesh, kept sharded by `parallel`."""
     if mesh is None:
@@ -186,19 +197,23 @@ def jit_train_step(
     """The jitted single step; the input state's buffers are donated (reused in place).
 
     With a `mesh`, pass a state placed by `parallel.shard`; heads are split over its
-    "model" axis and each batch over "data", and the state stays sharded.
+    "model" axis, each batch over "data" and its tokens over "sequence" (ring
+    attention, see `sequence_parallel`), and the state stays sharded.
 
     Raises:
-      ValueError: if `num_heads` does not divide by the "model" axis (at once) or
-        the batch size by the "data" axis (at the first call).
+      ValueError: if `num_heads` does not divide by the "model" axis (at once), the
+        batch size by the "data" axis or the sequence length by the "sequence" axis
+        (at the first call).
     """
     if mesh is None:
         return _jit(make_train_step(model, optimizer), model, optimizer, None, None, rules)
     parallel.check_heads_divisible(model.config.num_heads, mesh, rules)
-    step = make_train_step(model, optimizer, batch_sharding=parallel.batch_sharding(mesh, rules))
+    step = make_train_step(sequence_parallel(model, mesh), optimizer,
+                           batch_sharding=parallel.batch_sharding(mesh, rules))
 
     def checked_step(state, batch, rng):
         parallel.check_batch_divisible(batch["inputs"].shape[0], mesh, rules)  # while tracing: shapes are known
+        parallel.check_sequence_divisible(batch["inputs"].shape[-1], mesh)
         return step(state, batch, rng)
 
     return _jit(checked_step, model, optimizer, None, mesh, rules)
@@ -238,14 +253,16 @@ def jit_train_chunk(
     seed axis when `num_seeds` is given; with a `mesh`, sharded as `jit_train_step`.
 
     Raises:
-      ValueError: if `num_heads` or `batch_size` do not divide by their mesh axes.
+      ValueError: if `num_heads`, `batch_size` or the task's `seq_len` do not divide
+        by their mesh axes.
     """
-    sharding = None
+    sharding, train_model = None, model
     if mesh is not None:
         parallel.check_heads_divisible(model.config.num_heads, mesh, rules)
         parallel.check_batch_divisible(batch_size, mesh, rules)
-        sharding = parallel.batch_sharding(mesh, rules)
-    chunk = make_train_chunk(model, optimizer, task, batch_size, num_steps, batch_sharding=sharding)
+        parallel.check_sequence_divisible(task.seq_len, mesh)
+        sharding, train_model = parallel.batch_sharding(mesh, rules), sequence_parallel(model, mesh)
+    chunk = make_train_chunk(train_model, optimizer, task, batch_size, num_steps, batch_sharding=sharding)
     return _jit(chunk if num_seeds is None else jax.vmap(chunk), model, optimizer, num_seeds, mesh, rules)
 
 
