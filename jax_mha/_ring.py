@@ -272,6 +272,8 @@ def ring_attention(
     local_window_size: int | tuple[int | None, int | None] | None = None,
     kv_lengths: jax.Array | None = None,
     query_chunk_size: int = QUERY_CHUNK,
+    batch_axis_name: str | None = None,
+    head_axis_name: str | None = None,
 ) -> jax.Array:
     """Self-attention with the sequence split over the mesh axis `axis_name`.
 
@@ -294,6 +296,11 @@ def ring_attention(
       kv_lengths: int `(B,)`: keys at positions `>= kv_lengths[b]` are padding.
       query_chunk_size: query rows and keys per score tile inside a ring step (bounds
         the `(chunk, chunk)` scores a device holds at once).
+      batch_axis_name, head_axis_name: mesh axes the batch B and the key/value heads K
+        are split over inside the ring (e.g. "data" and "model"), so each device
+        attends only its own sequences and heads; None (default) gives every device
+        of the ring the whole batch and all heads. B, resp. K, must be a multiple of
+        that axis' size.
 
     Returns:
       `(B, H, N, D)` in q's dtype, sharded like q. A query that may see no key gets
@@ -308,8 +315,13 @@ def ring_attention(
     Differentiable in reverse mode (`grad`, `vjp`; a custom VJP that runs the ring
     again); forward mode (`jvp`) is not supported by the custom VJP.
     """
-    if axis_name not in mesh.shape:
-        raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh (axes {tuple(mesh.shape)})")
+    for arg, name in (("axis_name", axis_name), ("batch_axis_name", batch_axis_name),
+                      ("head_axis_name", head_axis_name)):
+        if (name is not None or arg == "axis_name") and name not in mesh.shape:
+            raise ValueError(f"{arg}={name!r} is not an axis of the mesh (axes {tuple(mesh.shape)})")
+    if axis_name in (batch_axis_name, head_axis_name) or (batch_axis_name and batch_axis_name == head_axis_name):
+        raise ValueError(f"axis_name={axis_name!r}, batch_axis_name={batch_axis_name!r} and "
+                         f"head_axis_name={head_axis_name!r} must be different mesh axes")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"ring_attention {name} must be a real floating array, got {getattr(x, 'dtype', type(x))}")
@@ -322,6 +334,11 @@ def ring_attention(
                          f"got k {k.shape}, v {v.shape}")
     if kh < 1 or h % kh:
         raise ValueError(f"num_heads={h} of q is not divisible by num_kv_heads={kh} of k/v")
+    for arg, axis, count, what in (("batch_axis_name", batch_axis_name, b, "batch size B"),
+                                   ("head_axis_name", head_axis_name, kh, "num_kv_heads K")):
+        if axis is not None and count % mesh.shape[axis]:
+            raise ValueError(f"{what}={count} is not a multiple of the {mesh.shape[axis]} devices of "
+                             f"{arg}={axis!r}")
     left, right = _window(local_window_size)
     size = mesh.shape[axis_name]
     striped = is_causal and left is None and right is None and size > 1
@@ -340,16 +357,17 @@ def ring_attention(
 
     if kv_lengths is not None:
         kv_lengths = jnp.broadcast_to(jnp.asarray(kv_lengths, jnp.int32), (b,))
-    seq = PartitionSpec(None, None, axis_name, None)
+    seq = PartitionSpec(batch_axis_name, head_axis_name, axis_name, None)
 
     def per_device(q, k, v, kv_lengths):
         if striped:
             q, k, v = (_to_striped(x, axis_name, size) for x in (q, k, v))
-        qg = q.reshape(b, kh, h // kh, local, d)  # (B, K, G, N/P, D)
-        out = _ring_core(ring, qg, k, v, kv_lengths).reshape(b, h, local, d)
+        b_here, h_here, kh_here = q.shape[0], q.shape[1], k.shape[1]  # this device's share
+        qg = q.reshape(b_here, kh_here, h_here // kh_here, local, d)  # (B, K, G, N/P, D)
+        out = _ring_core(ring, qg, k, v, kv_lengths).reshape(b_here, h_here, local, d)
         return _from_striped(out, axis_name, size) if striped else out
 
-    lengths_spec = None if kv_lengths is None else PartitionSpec()
+    lengths_spec = None if kv_lengths is None else PartitionSpec(batch_axis_name)
     return jax.shard_map(
         per_device, mesh=mesh, in_specs=(seq, seq, seq, lengths_spec), out_specs=seq, check_vma=False,
     )(q, k, v, kv_lengths)

@@ -400,7 +400,16 @@ def _ring_attention_fn(
     del implementation, query_block_size, key_block_size, dropout_rng  # the ring runs its own blocked loop
     return ring_attention(q, k, v, mesh=mesh, axis_name=axis_name, is_causal=is_causal, scale=scale,
                           local_window_size=local_window_size, kv_lengths=kv_lengths,
-                          query_chunk_size=query_chunk_size)
+                          query_chunk_size=query_chunk_size,
+                          batch_axis_name=_divides(mesh, "data", q.shape[0]),
+                          head_axis_name=_divides(mesh, "model", k.shape[1]))
+
+
+def _divides(mesh: Mesh, axis: str, count: int) -> str | None:
+    """`axis` when the mesh has it with more than one device and they split `count`
+    evenly (the ring then splits that dimension too), else None."""
+    size = mesh.shape.get(axis, 1)
+    return axis if size > 1 and count % size == 0 else None
 
 
 def ring_attention_fn(mesh: Mesh, axis_name: str = "sequence", *, query_chunk_size: int = QUERY_CHUNK) -> Callable:
@@ -413,6 +422,9 @@ def ring_attention_fn(mesh: Mesh, axis_name: str = "sequence", *, query_chunk_si
     device's N/P tokens as they are. Constrain the activations (or the token batch)
     to `PartitionSpec(..., axis_name)` along N so XLA keeps them split (the
     `("length", "sequence")` rule of `DEFAULT_RULES` does, through `batch_sharding`).
+
+    The batch is split over the mesh's "data" axis and the key/value heads over
+    "model" inside the ring when those axes divide them.
 
     The returned callable takes `jax_mha.attention`'s keywords: `is_causal`, `scale`,
     `local_window_size` and `kv_lengths` go to the ring; `implementation` and the

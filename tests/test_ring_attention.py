@@ -60,6 +60,22 @@ def _run_cases(num_devices: int) -> dict:
             "finite": bool(jnp.isfinite(out).all() and all(jnp.isfinite(g).all() for g in grads)),
             "sharding": str(out.sharding.spec),
         }
+    if num_devices == 4:  # the batch, then the key/value heads, split beside the sequence
+        for axis, option in (("data", "batch_axis_name"), ("model", "head_axis_name")):
+            mesh2 = jax.make_mesh((2, 2), (axis, "sequence"))
+            spec = (axis, None) if axis == "data" else (None, axis)
+            split = NamedSharding(mesh2, PartitionSpec(*spec, "sequence", None))
+            ring = lambda q, k, v: ring_attention(q, k, v, mesh=mesh2, is_causal=True, **{option: axis})  # noqa: B023
+            ref = lambda q, k, v: attention(q, k, v, is_causal=True)
+            out = jax.jit(ring)(*(jax.device_put(x, split) for x in (q, k, v)))
+            grads = jax.jit(jax.grad(lambda q, k, v: (ring(q, k, v) * w).sum(), argnums=(0, 1, 2)))(
+                *(jax.device_put(x, split) for x in (q, k, v)))
+            want_grads = jax.grad(lambda q, k, v: (ref(q, k, v) * w).sum(), argnums=(0, 1, 2))(q, k, v)
+            results[option] = {
+                "out": float(jnp.abs(out - ref(q, k, v)).max()),
+                "grads": [float(jnp.abs(a - e).max()) for a, e in zip(grads, want_grads)],
+                "sharding": str(out.sharding.spec),
+            }
     hlo = jax.jit(jax.grad(lambda q, k, v: ring_attention(q, k, v, mesh=mesh, is_causal=True).sum(),
                            argnums=(1, 2))).lower(*sharded).compile().as_text()
     results["hlo"] = {"collective_permute": hlo.count("collective-permute"), "all_gather": hlo.count("all-gather")}
@@ -86,6 +102,16 @@ def test_ring_attention_equals_attention(ring_results, case):
     assert "sequence" in got["sharding"]  # the output stays split along N
 
 
+@pytest.mark.parametrize("option", ["batch_axis_name", "head_axis_name"])
+def test_batch_or_heads_split_beside_the_sequence(ring_results, option):
+    num_devices, results = ring_results
+    if num_devices != 4:
+        pytest.skip("measured on the 4-device mesh (2 x 2)")
+    got = results[option]
+    assert got["out"] < 2e-5 and max(got["grads"]) < 2e-5, got
+    assert ("data" if option == "batch_axis_name" else "model") in got["sharding"], got
+
+
 def test_keys_and_values_travel_by_collective_permute(ring_results):
     _, results = ring_results
     assert results["hlo"]["collective_permute"] > 0
@@ -102,6 +128,10 @@ def test_refusals_name_the_numbers():
     x = jnp.ones((1, 2, 6, 4))
     with pytest.raises(ValueError, match=r"axis_name='seq' is not an axis"):
         ring_attention(x, x, x, mesh=mesh, axis_name="seq")
+    with pytest.raises(ValueError, match=r"batch_axis_name='data' is not an axis"):
+        ring_attention(x, x, x, mesh=mesh, batch_axis_name="data")
+    with pytest.raises(ValueError, match=r"must be different mesh axes"):
+        ring_attention(x, x, x, mesh=mesh, head_axis_name="sequence")
     with pytest.raises(ValueError, match=r"k and v must be \(B, K, N, D\)"):
         ring_attention(x, x[:, :, :5], x[:, :, :5], mesh=mesh)
     with pytest.raises(ValueError, match=r"num_heads=2 of q is not divisible by num_kv_heads=3"):
