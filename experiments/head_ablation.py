@@ -25,7 +25,7 @@ Results go to --out (default results/head_ablation/<preset>/): results.json,
 summary.md, learning_curves.png, accuracy_vs_heads.png, entropy_per_head.png, and one
 checkpoint per trained model in checkpoints/h{H}_seed{S}.msgpack. Results and
 checkpoints are written after every head count, the plots at the end; while a head count trains, its state (parameters, optimizer,
-curves) is saved at every evaluation to checkpoints/h{H}_state.msgpack. A rerun with
+curves) is saved at every evaluation to the orbax folder checkpoints/h{H}_state/. A rerun with
 the same --out and configuration skips the finished head counts and continues an
 interrupted one from its last saved step (--force starts over).
 """
@@ -319,7 +319,7 @@ def start_results(path: Path, cfg: AblationConfig, force: bool) -> dict:
 
 def train_head_count(h: int, cfg: AblationConfig, args, mesh, status: dict) -> dict:
     """Trains (or resumes) every seed of one head count, saves one checkpoint per
-    seed, and returns its results record; `status` says which training state file
+    seed, and returns its results record; `status` says which training state folder
     holds the run until the record is saved."""
     model = cfg.model_for(h)
     state_dir = args.out / "checkpoints" / f"h{h}_state"
