@@ -366,7 +366,7 @@ def _restore_target(shapes, mesh: jax.sharding.Mesh | None):
     """`shapes` with the sharding each leaf has in training, so that a saved state
     is read straight into place (each process reading only its own shards)."""
     if mesh is None:
-        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), shapes)
+        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), shapes)
     else:
         shardings = parallel.tree_shardings(shapes, mesh)
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
