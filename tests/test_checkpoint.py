@@ -13,6 +13,7 @@ import os
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -170,6 +171,8 @@ def _script(mode: str, directory: str) -> None:
 
     from jax_mha import parallel
     from jax_mha.lab import train
+    if mode.startswith("save_process"):  # one of two processes, each with 2 of the 4 devices
+        jax.distributed.initialize(os.environ["COORDINATOR"], 2, int(mode[-1]))
     state, model, optimizer = _script_state()
     if mode == "kill":  # save step 1, then die while step 2 is written
         manager = checkpoint.train_state_manager(directory)
@@ -183,11 +186,14 @@ def _script(mode: str, directory: str) -> None:
         ocp._src.path.atomicity.AtomicRenameTemporaryPath.finalize = hang
         checkpoint.save_train_state(manager, 2, jax.tree.map(lambda x: x + 1, state), {"step": 2})
         time.sleep(3600)
-    mesh = parallel.make_mesh(*{"save": (2, 2), "restore": (1, 2)}[mode])  # (data, model): 4 devices, then 2
+    mesh = parallel.make_mesh(*{"restore": (1, 2)}.get(mode, (2, 2)))  # (data, model): 4 devices, then 2
     target = train._restore_target(train.abstract_state(model, optimizer, SEEDS), mesh)
     manager = checkpoint.train_state_manager(directory)
-    if mode == "save":
-        checkpoint.save_train_state(manager, 7, parallel.shard(state, mesh), {"step": 7, "devices": len(jax.devices())})
+    if mode.startswith("save"):
+        # Each process builds only the shards it holds, as a multi-process run has them.
+        state = jax.tree.map(lambda x, t: jax.make_array_from_callback(x.shape, t.sharding, lambda i: x[i]),
+                             state, target)
+        checkpoint.save_train_state(manager, 7, state, {"step": 7, "devices": len(jax.devices())})
         checkpoint.close_train_state(manager)
         return
     restored = checkpoint.restore_train_state(manager, target)
@@ -203,18 +209,32 @@ def _script(mode: str, directory: str) -> None:
     checkpoint.close_train_state(manager)
 
 
-def _run_script(mode: str, directory, devices: int, **kwargs) -> subprocess.Popen:
+def _run_script(mode: str, directory, devices: int, **env) -> subprocess.Popen:
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), **env)
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), mode, str(directory)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_state_saved_on_4_devices_restores_into_a_2_device_mesh(tmp_path):
-    """Saved sharded over data=2 x model=2, restored into model=2 on two devices:
+@pytest.mark.parametrize("processes", [1, 2])
+def test_state_saved_on_4_devices_restores_into_a_2_device_mesh(tmp_path, processes):
+    """Saved sharded over data=2 x model=2 (by one process with 4 devices, or by two
+    with 2 each, each writing its own shards), restored into model=2 on two devices:
     every leaf equal, each in the shardings of the new mesh (heads split in two)."""
-    saving = _run_script("save", tmp_path / "run", 4)
-    assert saving.wait(timeout=240) == 0, saving.stderr.read()[-4000:]
+    if processes == 1:
+        savers = [_run_script("save", tmp_path / "run", 4)]
+    else:
+        with socket.socket() as s:  # a free port for the coordinator
+            s.bind(("127.0.0.1", 0))
+            coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+        savers = [_run_script(f"save_process{i}", tmp_path / "run", 2, COORDINATOR=coordinator) for i in range(2)]
+    for saving in savers:
+        try:
+            assert saving.wait(timeout=240) == 0, saving.stderr.read()[-4000:]
+        finally:
+            saving.kill()
+    written_by = sorted(p.name for p in (tmp_path / "run" / "7" / "state").glob("ocdbt.process_*"))
+    assert written_by == [f"ocdbt.process_{i}" for i in range(processes)]  # each process wrote its own shards
     restoring = _run_script("restore", tmp_path / "run", 2)
     stdout, stderr = restoring.communicate(timeout=240)
     assert restoring.returncode == 0, stderr[-4000:]
