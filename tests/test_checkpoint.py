@@ -1,9 +1,9 @@
 """Tests for `jax_mha.lab.checkpoint`: exact round trips of exported models, a
 `ValueError` naming the file for every way one can be unusable (including a single
 flipped byte), atomic writes that survive Ctrl-C and leave no temporary files; and
-the orbax training states: keep-N, exact restores, a save on 4 devices restored into
-a 2-device mesh, and a SIGKILL during an asynchronous save (the previous step
-restores)."""
+the orbax training states: keep-N, exact restores, a save on 4 devices (one process,
+or two) restored into a 2-device mesh, and a SIGKILL during an asynchronous save (the
+previous step restores)."""
 
 from __future__ import annotations
 
