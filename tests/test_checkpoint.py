@@ -136,6 +136,19 @@ def test_train_state_keeps_the_newest_n_and_restores_exactly(tmp_path, params):
     checkpoint.close_train_state(manager)
 
 
+def test_damaged_train_state_names_the_step(tmp_path):
+    state = {"w": np.arange(7.0), "b": np.arange(5, dtype=np.int32)}
+    manager = checkpoint.train_state_manager(tmp_path / "run")
+    checkpoint.save_train_state(manager, 3, state, {"step": 3})
+    checkpoint.close_train_state(manager)
+    for data in (tmp_path / "run" / "3" / "state").rglob("d/*"):  # the array chunks
+        data.write_bytes(data.read_bytes()[:10])
+    manager = checkpoint.train_state_manager(tmp_path / "run")
+    with raises_naming(tmp_path / "run" / "3", "is damaged"):
+        checkpoint.restore_train_state(manager, _on_one_device(state))
+    checkpoint.close_train_state(manager)
+
+
 def test_train_state_manager_rejects(tmp_path):
     with pytest.raises(ValueError, match="max_to_keep must be an int >= 1, got 0"):
         checkpoint.train_state_manager(tmp_path / "run", max_to_keep=0)

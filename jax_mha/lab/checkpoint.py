@@ -284,12 +284,25 @@ def restore_train_state(manager: ocp.CheckpointManager, target: Any) -> Any:
         the shards it holds.
 
     Raises:
-      ValueError: naming the folder, if nothing is saved there, or if the saved
-        leaves do not match `target`'s paths and shapes (naming them).
+      ValueError: naming the folder, if nothing is saved there, if the saved
+        leaves do not match `target`'s paths and shapes (naming them), or if a
+        file of the step is missing or damaged.
     """
     step = manager.latest_step()
     if step is None:
         raise ValueError(f"{manager.directory} holds no saved training state")
     path = Path(manager.directory) / str(step)
-    _check_shapes(path, target, manager.item_metadata(step)["state"], "the run being resumed")
-    return manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
+    try:
+        stored = manager.item_metadata(step)["state"]
+    except Exception as e:  # tensorstore reports a missing or damaged file as several exception types
+        raise _damaged(path, e) from None
+    _check_shapes(path, target, stored, "the run being resumed")
+    try:
+        return manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
+    except Exception as e:
+        raise _damaged(path, e) from None
+
+
+def _damaged(path: Path, error: Exception) -> ValueError:
+    return ValueError(f"training state {path} is damaged ({type(error).__name__}: {str(error)[:200]}); "
+                      "delete that step's folder to resume from the one before")
