@@ -206,7 +206,8 @@ def train_state_manager(directory: str | os.PathLike, *, max_to_keep: int = MAX_
     if Path(directory).is_file():
         raise ValueError(f"{directory} is a file, not a training state folder (an older msgpack state? delete it)")
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, enable_async_checkpointing=True, cleanup_tmp_directories=True, create=False)
+        preservation_policy=ocp.checkpoint_managers.LatestN(n=max_to_keep),  # what max_to_keep= did, not deprecated
+        enable_async_checkpointing=True, cleanup_tmp_directories=True, create=False)
     # Registered up front, so that a fresh manager can read a step's metadata before any save or restore.
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     for item, args in (("state", ocp.args.StandardSave), ("state", ocp.args.StandardRestore),
