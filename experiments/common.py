@@ -15,6 +15,7 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -27,7 +28,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from jax_mha.lab.checkpoint import load_checkpoint, save_checkpoint, write_atomic
+from jax_mha.lab.checkpoint import load_checkpoint, save_checkpoint, saved_train_step, write_atomic
 from jax_mha.lab.data import CopyTaskConfig, Task, task_from_dict, task_to_dict
 from jax_mha.lab.host_memory import reuse_freed_memory
 from jax_mha.lab.models import ModelConfig
@@ -774,7 +775,7 @@ def train_model(spec: ModelSpec, out: Path, progress: bool) -> StudyModel:
     `<out>/checkpoints/`. Alone it stops early on its own accuracy, where the
     ablation waits for all seeds, so it can differ slightly from the ablation's."""
     path = out / "checkpoints" / spec.filename
-    state_file = path.with_name(f"h{spec.heads}_seed{spec.seed}_state.msgpack")
+    state_dir = path.with_name(f"h{spec.heads}_seed{spec.seed}_state")
     print(f"model: training the --preset {spec.preset} model with {spec.heads} heads, seed {spec.seed} "
           f"({describe_model(spec.model, spec.ablation.task)}): no checkpoint of it in "
           f"{', '.join(map(str, candidate_checkpoints(spec, out)[:3]))}; saving to {path}", flush=True)
@@ -782,16 +783,17 @@ def train_model(spec: ModelSpec, out: Path, progress: bool) -> StudyModel:
                       log=MetricsLog(out / "metrics.jsonl", [spec.seed], {"heads": spec.heads}))
     try:
         result = train_seeds(spec.model, spec.ablation.task, spec.ablation.train_for(spec.heads), [spec.seed], callback=bar,
-                             state_file=state_file)
+                             state_dir=state_dir)
     except KeyboardInterrupt:
-        saved = f"training is saved in {state_file}" if state_file.exists() else "training had not reached its first save"
+        step = saved_train_step(state_dir)
+        saved = "training had not reached its first save" if step is None else f"training is saved in {state_dir} (step {step})"
         raise Interrupted(saved) from None
     finally:
         bar.close()
     params = jax.tree.map(lambda x: x[0], result.state.params)
     save_checkpoint(path, params, spec.model, {"task": task_to_dict(spec.ablation.task), "heads": spec.heads,
                                                 "seed": spec.seed, "steps_run": result.steps_run})
-    state_file.unlink(missing_ok=True)
+    shutil.rmtree(state_dir, ignore_errors=True)
     return StudyModel(params, spec.model, spec.ablation.task,
                       {"kind": "trained", "path": str(path), "why": "no checkpoint found",
                        "steps_run": result.steps_run, "wall_seconds": result.wall_seconds,

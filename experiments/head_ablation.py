@@ -27,7 +27,7 @@ Results go to --out (default results/head_ablation/<preset>/): results.json,
 summary.md, learning_curves.png, accuracy_vs_heads.png, entropy_per_head.png, and one
 checkpoint per trained model in checkpoints/h{H}_seed{S}.msgpack. Results and
 checkpoints are written after every head count, the plots at the end; while a head count trains, its state (parameters, optimizer,
-curves) is saved at every evaluation to checkpoints/h{H}_state.msgpack. A rerun with
+curves) is saved at every evaluation to the orbax folder checkpoints/h{H}_state/. A rerun with
 the same --out and configuration skips the finished head counts and continues an
 interrupted one from its last saved step (--force starts over).
 """
@@ -35,8 +35,8 @@ interrupted one from its last saved step (--force starts over).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
+import shutil
 from pathlib import Path
 
 import jax
@@ -46,7 +46,7 @@ from experiments import common, plotting
 from experiments.common import AblationConfig, Interrupted, save_figure, write_atomic, write_json
 from jax_mha import parallel
 from jax_mha.lab import analysis, head_types, stats
-from jax_mha.lab.checkpoint import load_checkpoint, save_checkpoint, train_state_metadata
+from jax_mha.lab.checkpoint import load_checkpoint, save_checkpoint, saved_train_step
 from jax_mha.lab.data import chance_accuracy, task_from_dict, task_to_dict
 from jax_mha.lab.models import Decoder, generate
 from jax_mha.lab.text import ngram_baselines, validation_batches
@@ -307,8 +307,8 @@ def start_results(path: Path, cfg: AblationConfig, force: bool) -> dict:
     record. Exits with one line if the file is damaged or of another configuration."""
     fresh = {"config": cfg.fingerprint(), "metadata": common.run_metadata(), "heads": {}}
     if force:
-        for stale in path.parent.glob("checkpoints/h*_state.msgpack"):
-            stale.unlink()
+        for stale in path.parent.glob("checkpoints/h*_state"):
+            shutil.rmtree(stale)
         (path.parent / "metrics.jsonl").unlink(missing_ok=True)  # the evaluations of the run thrown away
     if force or not path.exists():
         return fresh
@@ -325,19 +325,19 @@ def start_results(path: Path, cfg: AblationConfig, force: bool) -> dict:
 
 def train_head_count(h: int, cfg: AblationConfig, args, mesh, status: dict) -> dict:
     """Trains (or resumes) every seed of one head count, saves one checkpoint per
-    seed, and returns its results record; `status` says which training state file
+    seed, and returns its results record; `status` says which training state folder
     holds the run until the record is saved."""
     model = cfg.model_for(h)
-    state_file = args.out / "checkpoints" / f"h{h}_state.msgpack"
-    if state_file.exists():
-        print(f"h={h}: resuming from the training state saved in {state_file}", flush=True)
+    state_dir = args.out / "checkpoints" / f"h{h}_state"
+    if saved_train_step(state_dir) is not None:
+        print(f"h={h}: resuming from the training state saved in {state_dir}", flush=True)
     log = common.MetricsLog(args.out / "metrics.jsonl", cfg.seeds, {"heads": h}, getattr(args, "tensorboard", None))
     bar = common.TrainingBar(cfg.train.num_steps, f"h={h:>2}", args.no_progress, log=log)
-    status.update(heads=h, state_file=state_file)
+    status.update(heads=h, state_dir=state_dir)
     try:
         result = train_seeds(model, cfg.task, cfg.train_for(h), cfg.seeds, mesh=mesh, callback=bar,
-                             state_file=state_file)
-    except ValueError as e:  # a state file of another run, or damaged
+                             state_dir=state_dir)
+    except ValueError as e:  # a saved state of another run, or damaged
         raise SystemExit(f"error: {e}; or rerun with --force") from None
     finally:
         bar.close()
@@ -361,15 +361,14 @@ def measure_vmap_speedup(cfg: AblationConfig, heads: int) -> dict:
 
 
 def describe_saved(results: dict, path: Path, status: dict) -> str:
-    """The Ctrl-C line's account of what is on disk (the training state file itself
+    """The Ctrl-C line's account of what is on disk (the training state folder itself
     says which step it holds: a save can land just before the interrupt)."""
     done = sorted(map(int, results["heads"]))
     finished = (f"head count {done[0]} is" if len(done) == 1 else f"head counts {', '.join(map(str, done))} are")
     parts = [f"{finished} finished in {path}" if done else "no head count finished"]
-    state_file = status.get("state_file")
-    if status.get("heads") is not None and state_file is not None and state_file.exists():
-        with contextlib.suppress(ValueError):
-            parts.append(f"h={status['heads']} is saved at step {train_state_metadata(state_file)['step']}")
+    step = None if status.get("heads") is None else saved_train_step(status["state_dir"])
+    if step is not None:
+        parts.append(f"h={status['heads']} is saved at step {step}")
     return "; ".join(parts)
 
 
@@ -396,7 +395,7 @@ def main(argv=None) -> dict:
         for h in todo:
             results["heads"][str(h)] = train_head_count(h, cfg, args, mesh, status)
             save()
-            status["state_file"].unlink(missing_ok=True)  # all it held is in results.json and the checkpoints now
+            shutil.rmtree(status["state_dir"], ignore_errors=True)  # all it held is in results.json and the checkpoints now
             status.update(heads=None)
         if args.measure_vmap_speedup:
             results["vmap_speedup"] = measure_vmap_speedup(cfg, max(cfg.heads))

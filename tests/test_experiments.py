@@ -25,6 +25,7 @@ import pytest
 from conftest import run_in
 
 from experiments import attention_maps, common, head_ablation, head_pruning
+from jax_mha.lab.checkpoint import saved_train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--preset", "tiny", "--heads", "4", "--steps", "100", "--no-early-stop", "--no-progress"]
@@ -32,13 +33,14 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
 
 
-def interrupt_once_saved(cwd: Path, state_file: Path) -> subprocess.CompletedProcess:
-    """Starts the ablation as a command and sends SIGINT as soon as `state_file` exists."""
+def interrupt_once_saved(cwd: Path, state_dir: Path) -> subprocess.CompletedProcess:
+    """Starts the ablation as a command and sends SIGINT as soon as `state_dir` holds
+    a completely saved training step."""
     proc = subprocess.Popen([sys.executable, "-m", "experiments.head_ablation", *ARGS], cwd=cwd, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 180
-        while not state_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+        while saved_train_step(state_dir) is None and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         os.kill(proc.pid, signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=120)
@@ -51,7 +53,7 @@ def interrupt_once_saved(cwd: Path, state_file: Path) -> subprocess.CompletedPro
 def study(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("study")
     out = cwd / "results" / "head_ablation" / "tiny"
-    interrupted = interrupt_once_saved(cwd, out / "checkpoints" / "h4_state.msgpack")
+    interrupted = interrupt_once_saved(cwd, out / "checkpoints" / "h4_state")
     results, stdout = run_in(cwd, head_ablation.main, ARGS)  # the resume, in-process
     return types.SimpleNamespace(cwd=cwd, out=out, interrupted=interrupted, results=results, stdout=stdout)
 
@@ -73,7 +75,7 @@ def test_resume_continues_inside_the_head_count(study):
     assert record["resumed_from"] == saved_at > 0 and record["steps_run"] == 100
     assert "h=4: resuming from the training state saved in" in study.stdout
     assert list(record["runs"][0]["curve"]["step"]) == [25, 50, 75, 100]  # the curve of the whole run, not just the rest
-    leftovers = [p for p in study.cwd.rglob("*") if p.name.endswith(".tmp") or p.name.endswith("_state.msgpack")]
+    leftovers = [p for p in study.cwd.rglob("*") if p.name.endswith(".tmp") or p.name.endswith("_state")]
     assert not leftovers
 
 

@@ -3,6 +3,7 @@ to), vmap over seeds equals separate runs, an interrupted run resumes exactly,
 non-finite losses stop at once, and every bad configuration is a ValueError."""
 
 import dataclasses
+import json
 import math
 
 import chex
@@ -11,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_mha.lab.checkpoint import save_train_state
-from jax_mha.lab.data import CopyTaskConfig, Decoding, chance_accuracy, greedy_decode, make_batch
+from jax_mha.lab import checkpoint
+from jax_mha.lab.data import CopyTaskConfig, Decoding, chance_accuracy, greedy_decode, make_batch, task_to_dict
 from jax_mha.lab.models import CopyTransformer, ModelConfig, decode_step, empty_cache
 from jax_mha.lab.train import (
     TrainConfig,
@@ -145,25 +146,28 @@ def test_vmap_over_seeds_equals_separate_runs(two_seeds):
 
 
 def test_interrupted_run_resumes_exactly(two_seeds, tmp_path):
-    """Stopped after its first save (step 50), the run continues from the state file
-    to the same curves, evaluations and parameters as the uninterrupted run."""
-    state_file = tmp_path / "state.msgpack"
+    """Stopped after its first save (step 50), the run continues from the orbax
+    folder to the same curves, evaluations and parameters as the uninterrupted run;
+    the stop waited for the save, and a run of other seeds is refused."""
+    state_dir = tmp_path / "state"
 
     def stop_after_first_save(report):
         if "eval" in report:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train_seeds(SMALL, TASK, SHORT, [3, 5], state_file=state_file, callback=stop_after_first_save)
-    resumed = train_seeds(SMALL, TASK, SHORT, [3, 5], state_file=state_file)
+        train_seeds(SMALL, TASK, SHORT, [3, 5], state_dir=state_dir, callback=stop_after_first_save)
+    assert checkpoint.saved_train_step(state_dir) == 50  # complete on disk once train_seeds has raised
+    resumed = train_seeds(SMALL, TASK, SHORT, [3, 5], state_dir=state_dir)
     assert resumed.resumed_from == 50 and resumed.steps_run == 100
     np.testing.assert_allclose(resumed.curve["loss"], two_seeds.curve["loss"], rtol=1e-5)
+    assert resumed.curve["loss"].dtype == two_seeds.curve["loss"].dtype == np.float32
     np.testing.assert_array_equal(resumed.evals["step"], [50, 100])
     np.testing.assert_allclose(resumed.evals["token_accuracy"], two_seeds.evals["token_accuracy"], atol=1e-6)
     chex.assert_trees_all_close(resumed.state.params, two_seeds.state.params, rtol=1e-4, atol=1e-6)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.msgpack"]  # no temporary files left
-    with pytest.raises(ValueError, match=r"state.msgpack was saved by another run \(it differs in \['seeds'\]\)"):
-        train_seeds(SMALL, TASK, SHORT, [3, 6], state_file=state_file)
+    assert sorted(p.name for p in state_dir.iterdir()) == ["100", "50"]  # no temporary folders left
+    with pytest.raises(ValueError, match=r"state was saved by another run \(it differs in \['seeds'\]\)"):
+        train_seeds(SMALL, TASK, SHORT, [3, 6], state_dir=state_dir)
 
 
 def test_early_stop_says_why(trained):
@@ -220,8 +224,13 @@ def test_model_and_task_must_fit():
         train_seeds(SMALL, TASK, SHORT, [1, 1])
 
 
-def test_state_file_from_elsewhere_is_refused(tmp_path):
-    state_file = tmp_path / "other.msgpack"
-    save_train_state(state_file, {"w": np.zeros(3)}, {"fingerprint": {}})
-    with pytest.raises(ValueError, match="other.msgpack does not match the run being resumed"):
-        train_seeds(SMALL, TASK, SHORT, [0], state_file=state_file)
+def test_state_of_another_shape_is_refused(tmp_path):
+    """A folder whose state does not have this run's leaves (its fingerprint forged to
+    match) is refused naming the folder and the leaves, before anything is read."""
+    fingerprint = {"model": dataclasses.asdict(SMALL), "task": task_to_dict(TASK), "train": dataclasses.asdict(SHORT),
+                   "seeds": [0]}
+    manager = checkpoint.train_state_manager(tmp_path / "other")
+    checkpoint.save_train_state(manager, 50, {"w": np.zeros(3)}, {"fingerprint": json.loads(json.dumps(fingerprint))})
+    checkpoint.close_train_state(manager)
+    with pytest.raises(ValueError, match=r"other/50 does not match the run being resumed: missing \[.*params"):
+        train_seeds(SMALL, TASK, SHORT, [0], state_dir=tmp_path / "other")

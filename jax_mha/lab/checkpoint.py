@@ -1,20 +1,22 @@
-"""Saving and restoring models and training runs, each as one checksummed file.
+"""Saving and restoring exported models and training runs: two formats, each for
+what it does best.
 
-Format: flax.serialization msgpack. A file is `{"format", "sha256", "body"}`, where
-`body` is the msgpack bytes of the payload and `sha256` their hash, so a flipped or
-missing byte anywhere is caught on load (a `ValueError` naming the file), never
-loaded silently. Two payloads:
-
-* a **model checkpoint** (`save_checkpoint`): one model's parameters, the
-  `ModelConfig` they belong to and free-form metadata (the task, head count, seed);
-* a **training state** (`save_train_state`): any pytree (a `train.TrainState`
-  stacked over seeds: parameters, optimizer state, step) plus metadata (the curves
-  so far), so an interrupted run continues where it was saved.
-
-Chosen over orbax-checkpoint because these models are a few MB, written by one
-process and read on one host: a single self-describing file, an atomic rename, and a
-checksum over every byte, with no directory tree, async machinery or extra
-dependency to leave half-written state behind.
+* An **exported model** (`save_checkpoint`/`load_checkpoint`): one model's
+  parameters, the `ModelConfig` they belong to and free-form metadata (the task,
+  head count, seed), in one small file a person can copy, mail or commit. Format:
+  flax.serialization msgpack; a file is `{"format", "sha256", "body"}`, where `body`
+  is the msgpack bytes of the payload and `sha256` their hash, so a flipped or
+  missing byte anywhere is caught on load (a `ValueError` naming the file), never
+  loaded silently. Written by one process, atomically (`write_atomic`).
+* A **training state** (`train_state_manager`, `save_train_state`,
+  `restore_train_state`): a `train.TrainState` stacked over seeds (parameters,
+  optimizer state, step) plus the run's history as JSON (curves, evaluations, the
+  fingerprint of the run), through `orbax.checkpoint.CheckpointManager`: one folder
+  per saved step, the last `max_to_keep` kept, written in the background while
+  training goes on, each process writing the shards it holds, and restored
+  straight into the shardings of the mesh that resumes it (which may differ from
+  the one that saved). Orbax writes a step into a temporary folder and renames it
+  when complete, so a run killed mid-save resumes from the step before.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import json
 import os
 import signal
 import tempfile
@@ -33,12 +36,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 from flax import serialization
 
 from jax_mha.lab.models import Decoder, ModelConfig
 
 FORMAT = "jax_mha-checkpoint-v2"
 STALE_TMP_SECONDS = 60.0  # a temporary file this old belongs to a writer that was killed
+MAX_TO_KEEP = 2  # training states kept: the newest, and the one before in case the newest is suspect
 
 
 @contextlib.contextmanager
@@ -120,8 +125,11 @@ def _unpack(path: Path, kind: str) -> dict:
 
 
 def _flat_shapes(tree) -> dict[str, tuple]:
+    """Leaf shapes by path, spelled the same for a saved tree's metadata (dicts and
+    lists) and for the pytree it was saved from (dataclasses, named tuples)."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {jax.tree_util.keystr(k): tuple(np.shape(v)) for k, v in flat}
+    return {jax.tree_util.keystr(k, simple=True, separator="/"): tuple(getattr(v, "shape", np.shape(v)))
+            for k, v in flat}
 
 
 def _check_shapes(path: Path, expected, stored, what: str) -> None:
@@ -179,40 +187,123 @@ def load_checkpoint(path: str | os.PathLike, model_config: ModelConfig | None = 
     return jax.tree.map(jnp.asarray, params), stored, payload["metadata"]
 
 
-def save_train_state(path: str | os.PathLike, state: Any, metadata: dict | None = None) -> None:
-    """Writes a training state (any pytree of arrays, e.g. a seed-stacked
-    `TrainState`) and msgpack-able metadata, atomically."""
-    state_dict = serialization.to_state_dict(jax.tree.map(np.asarray, state))
-    write_atomic(path, _pack({"kind": "train_state", "state": state_dict, "metadata": metadata or {}}))
+# ----------------------------------------------------------------- training states (orbax)
 
 
-def train_state_metadata(path: str | os.PathLike) -> dict:
-    """The metadata saved with a training state (e.g. the step it was saved at),
-    without restoring the state.
+def train_state_manager(directory: str | os.PathLike, *, max_to_keep: int = MAX_TO_KEEP) -> ocp.CheckpointManager:
+    """The orbax manager of a run's training states in `directory` (created on the
+    first save): asynchronous saves, the newest `max_to_keep` steps kept, the
+    temporary folders of saves that were killed removed. Every process of a
+    multi-process run makes one and calls the same saves and restores (orbax
+    coordinates them; each process writes its own shards). `close` it, with
+    `close_train_state`, before the process ends.
 
     Raises:
-      ValueError: naming the file, if it is missing, damaged or not a training state.
+      ValueError: if `max_to_keep` is not an int >= 1, or `directory` is a file.
     """
-    return _unpack(Path(path), "train_state")["metadata"]
+    if not isinstance(max_to_keep, int) or isinstance(max_to_keep, bool) or max_to_keep < 1:
+        raise ValueError(f"max_to_keep must be an int >= 1, got {max_to_keep!r}")
+    if Path(directory).is_file():
+        raise ValueError(f"{directory} is a file, not a training state folder (an older msgpack state? delete it)")
+    options = ocp.CheckpointManagerOptions(
+        preservation_policy=ocp.checkpoint_managers.LatestN(n=max_to_keep),  # what max_to_keep= did, not deprecated
+        enable_async_checkpointing=True, cleanup_tmp_directories=True, create=False)
+    # Registered up front, so that a fresh manager can read a step's metadata before any save or restore.
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    for item, args in (("state", ocp.args.StandardSave), ("state", ocp.args.StandardRestore),
+                       ("history", ocp.args.JsonSave), ("history", ocp.args.JsonRestore)):
+        registry.add(item, args)
+    return ocp.CheckpointManager(Path(directory).absolute(), options=options, handler_registry=registry)
 
 
-def load_train_state(path: str | os.PathLike, target: Any) -> tuple[Any, dict]:
-    """Reads a state written by `save_train_state` into the structure of `target`.
+def _jsonable(tree: Any) -> Any:
+    """`tree` with every array and NumPy scalar as (nested) Python lists and numbers;
+    a deep copy, so the caller may keep appending to its lists while it is saved."""
+    if isinstance(tree, dict):
+        return {str(k): _jsonable(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_jsonable(v) for v in tree]
+    if isinstance(tree, (np.ndarray, np.generic, jax.Array)):
+        return np.asarray(tree).tolist()
+    return tree
+
+
+def save_train_state(manager: ocp.CheckpointManager, step: int, state: Any, history: dict) -> None:
+    """Starts saving `state` (a pytree of arrays, sharded or not) and `history`
+    (JSON-able once arrays are lists) as `step`, and returns once the arrays are
+    copied off the devices: the writing goes on in the background, so `state` may be
+    donated to the next step at once. Ctrl-C during the call is held until the save
+    is under way (the previous step stays whole whatever happens next)."""
+    args = ocp.args.Composite(state=ocp.args.StandardSave(state), history=ocp.args.JsonSave(_jsonable(history)))
+    with _sigint_deferred():
+        manager.save(step, args=args, force=True)
+
+
+def close_train_state(manager: ocp.CheckpointManager) -> None:
+    """Waits for the saves under way to be complete on disk, then releases the
+    manager; Ctrl-C while waiting is held until the save is done."""
+    with _sigint_deferred():
+        manager.wait_until_finished()
+        manager.close()
+
+
+def saved_train_step(directory: str | os.PathLike) -> int | None:
+    """The newest completely saved step in `directory`, or None (no folder, or no
+    save finished yet); saves still being written or killed mid-way do not count."""
+    steps = ocp.path.step.checkpoint_steps(Path(directory).absolute())  # finalized ones only
+    return max(steps, default=None)
+
+
+def train_history(manager: ocp.CheckpointManager) -> dict | None:
+    """The history saved with the newest step (JSON: arrays as lists), without
+    reading the state; None if nothing is saved.
+
+    Raises:
+      ValueError: naming the folder, if its newest step has no readable history.
+    """
+    step = manager.latest_step()
+    if step is None:
+        return None
+    try:
+        history = manager.restore(step, args=ocp.args.Composite(history=ocp.args.JsonRestore())).history
+    except (KeyError, ValueError, OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{manager.directory} step {step} has no readable history "
+                         f"({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(history, dict):
+        raise ValueError(f"{manager.directory} step {step} has no readable history (found {type(history).__name__})")
+    return history
+
+
+def restore_train_state(manager: ocp.CheckpointManager, target: Any) -> Any:
+    """The newest saved state, restored into `target`'s structure and shardings.
 
     Args:
-      path: the file.
-      target: a pytree of the expected structure (arrays or `jax.ShapeDtypeStruct`s).
-
-    Returns:
-      `(state, metadata)`, the state's leaves as jnp arrays.
+      manager: from `train_state_manager`.
+      target: the expected state as `jax.ShapeDtypeStruct`s whose `sharding` says
+        where each restored leaf goes (e.g. `train.abstract_state` with
+        `parallel.tree_shardings` of the resuming mesh); each process reads only
+        the shards it holds.
 
     Raises:
-      ValueError: naming the file, if it is missing or damaged, or if its leaves do
-        not match `target`'s paths and shapes.
+      ValueError: naming the folder, if nothing is saved there, if the saved
+        leaves do not match `target`'s paths and shapes (naming them), or if a
+        file of the step is missing or damaged.
     """
-    path = Path(path)
-    payload = _unpack(path, "train_state")
-    expected = serialization.to_state_dict(target)
-    _check_shapes(path, expected, payload["state"], "the run being resumed")
-    state = serialization.from_state_dict(target, payload["state"])
-    return jax.tree.map(jnp.asarray, state), payload["metadata"]
+    step = manager.latest_step()
+    if step is None:
+        raise ValueError(f"{manager.directory} holds no saved training state")
+    path = Path(manager.directory) / str(step)
+    try:
+        stored = manager.item_metadata(step)["state"]
+    except Exception as e:  # tensorstore reports a missing or damaged file as several exception types
+        raise _damaged(path, e) from None
+    _check_shapes(path, target, stored, "the run being resumed")
+    try:
+        return manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
+    except Exception as e:
+        raise _damaged(path, e) from None
+
+
+def _damaged(path: Path, error: Exception) -> ValueError:
+    return ValueError(f"training state {path} is damaged ({type(error).__name__}: {str(error)[:200]}); "
+                      "delete that step's folder to resume from the one before")

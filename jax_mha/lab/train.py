@@ -16,6 +16,7 @@ batch marks as `scored`. This module also does the one `jax.jit` over a device m
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from flax import struct
 
 from jax_mha import parallel
 from jax_mha.functional import attention_entropy
-from jax_mha.lab.checkpoint import load_train_state, save_train_state
+from jax_mha.lab import checkpoint
 from jax_mha.lab.data import Batch, Decoding, Task, task_to_dict
 from jax_mha.lab.models import Decoder, ModelConfig, decode_step, empty_cache
 
@@ -370,20 +371,41 @@ def _fresh_history(fingerprint: dict) -> dict:
             "train_seconds": 0.0, "timed_steps": 0, "wall_seconds": 0.0}
 
 
-def _start(programs: _Programs, init_keys, state_file: Path | None, fingerprint: dict, target):
-    """A fresh state, or the one saved in `state_file` by the same run.
+def _restored_history(saved: dict) -> dict:
+    """A history read back from JSON: the per-chunk and per-evaluation values as
+    float32 arrays again (`_result` stacks them with the ones still to come)."""
+    for part in ("curve", "evals"):
+        saved[part] = {k: v if k == "step" else [np.asarray(x, np.float32) for x in v] for k, v in saved[part].items()}
+    return saved
+
+
+def _restore_target(shapes, mesh: jax.sharding.Mesh | None):
+    """`shapes` with the sharding each leaf has in training, so that a saved state
+    is read straight into place (each process reading only its own shards)."""
+    if mesh is None:
+        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), shapes)
+    else:
+        shardings = parallel.tree_shardings(shapes, mesh)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
+
+
+def _start(programs: _Programs, init_keys, manager, fingerprint: dict, target):
+    """A fresh state, or the newest one saved by the same run under `manager`
+    (None: nothing saved), restored into `target`'s shardings.
 
     Raises:
-      ValueError: naming the file, if it is damaged or was saved by another run.
+      ValueError: naming the folder, if it was saved by another run or does not
+        match this one's state.
     """
-    if state_file is None or not Path(state_file).exists():
+    history = None if manager is None else checkpoint.train_history(manager)
+    if history is None:
         return programs.init(init_keys), _fresh_history(fingerprint)
-    state, history = load_train_state(state_file, target)
     saved = history.get("fingerprint")
     if saved != fingerprint:
-        keys = sorted(k for k in fingerprint if saved is None or saved.get(k) != fingerprint[k])
-        raise ValueError(f"{state_file} was saved by another run (it differs in {keys}); delete it to start over")
-    return programs.place(state), history
+        keys = sorted(k for k in fingerprint if not isinstance(saved, dict) or saved.get(k) != fingerprint[k])
+        raise ValueError(f"{manager.directory} was saved by another run (it differs in {keys}); "
+                         "delete it to start over")
+    return programs.place(checkpoint.restore_train_state(manager, target)), _restored_history(history)
 
 
 def _advance(programs: _Programs, state, run_keys, history: dict, seeds: list[int], timed: bool):
@@ -451,7 +473,7 @@ def _check_run(model_cfg: ModelConfig, task: Task, seeds: list[int]) -> None:
 def train_seeds(
     model_cfg: ModelConfig, task: Task, cfg: TrainConfig, seeds: Sequence[int], *, use_vmap: bool = True,
     mesh: jax.sharding.Mesh | None = None, callback: Callable[[dict[str, Any]], None] | None = None,
-    state_file: str | Path | None = None,
+    state_dir: str | Path | None = None,
 ) -> SeedsResult:
     """Trains one model per seed: all seeds in one vmapped program (or, with
     `use_vmap=False`, one after another, for comparison).
@@ -459,10 +481,14 @@ def train_seeds(
     With a `mesh` (`jax_mha.parallel.make_mesh`), the vmapped program runs sharded:
     heads across its "model" axis, each batch across "data"; the results are the same.
 
-    With a `state_file`, the state (parameters, optimizer state, step) and everything
-    measured so far are saved there at every evaluation, and a run that finds the
-    file (saved by the same configuration and seeds) continues from it; the file is
-    left in place (delete it when the results are safe elsewhere).
+    With a `state_dir`, the state (parameters, optimizer state, step) and everything
+    measured so far are saved there at every evaluation through orbax
+    (`jax_mha.lab.checkpoint.train_state_manager`: in the background, the newest two
+    steps kept, sharded as on the mesh), and a run that finds a saved step (of the
+    same configuration and seeds) continues from the newest, on this run's mesh,
+    which may differ from the saving run's. Saves under way are completed before
+    this returns or raises (Ctrl-C included). The folder is left in place (delete it
+    when the results are safe elsewhere).
 
     `callback`, if given, receives after every chunk a dict with `step`, `loss`,
     `accuracy` (means over seeds of the chunk), at evaluation points `eval` (the
@@ -471,7 +497,7 @@ def train_seeds(
 
     Raises:
       ValueError: for seeds that are not distinct, a model that does not fit the
-        task, or a `state_file` that is damaged or belongs to another run.
+        task, or a `state_dir` that is damaged or belongs to another run.
       RuntimeError: at once, naming the step and seed, if a loss is not finite.
     """
     start, seeds = time.perf_counter(), [int(s) for s in seeds]
@@ -482,20 +508,26 @@ def train_seeds(
     keys = jax.vmap(jax.random.split)(jnp.stack([jax.random.PRNGKey(s) for s in seeds]))  # (seeds, 2, 2)
     fingerprint = {"model": dataclasses.asdict(model_cfg), "task": task_to_dict(task),
                    "train": dataclasses.asdict(cfg), "seeds": seeds}
-    target = abstract_state(model, optimizer, len(seeds))
-    state, history = _start(programs, keys[:, 0], state_file, fingerprint, target)
-    resumed_from, wall_before, calls = history["step"], history["wall_seconds"], 0
-    while history["step"] < cfg.num_steps and history["stop_reason"] is None:
-        state, report = _advance(programs, state, keys[:, 1], history, seeds, timed=calls > 0)
-        calls += 1
-        if history["step"] % cfg.eval_every == 0 or history["step"] == cfg.num_steps:
-            report["eval"] = _evaluate(programs, state, history, cfg, task)
-            history["wall_seconds"] = wall_before + time.perf_counter() - start
-            if state_file is not None:
-                save_train_state(state_file, state, history)
-        if history["stop_reason"] is not None or history["step"] >= cfg.num_steps:
-            report["stopped"] = history["stop_reason"] or "step limit"
-        if callback is not None:
-            callback(report)
+    fingerprint = json.loads(json.dumps(fingerprint, default=str))  # as it reads back from the saved JSON
+    target = _restore_target(abstract_state(model, optimizer, len(seeds)), mesh)
+    manager = None if state_dir is None else checkpoint.train_state_manager(state_dir)
+    try:
+        state, history = _start(programs, keys[:, 0], manager, fingerprint, target)
+        resumed_from, wall_before, calls = history["step"], history["wall_seconds"], 0
+        while history["step"] < cfg.num_steps and history["stop_reason"] is None:
+            state, report = _advance(programs, state, keys[:, 1], history, seeds, timed=calls > 0)
+            calls += 1
+            if history["step"] % cfg.eval_every == 0 or history["step"] == cfg.num_steps:
+                report["eval"] = _evaluate(programs, state, history, cfg, task)
+                history["wall_seconds"] = wall_before + time.perf_counter() - start
+                if manager is not None:  # every process calls it: orbax has each write its own shards
+                    checkpoint.save_train_state(manager, history["step"], state, history)
+            if history["stop_reason"] is not None or history["step"] >= cfg.num_steps:
+                report["stopped"] = history["stop_reason"] or "step limit"
+            if callback is not None:
+                callback(report)
+    finally:  # also on Ctrl-C and errors: the save under way is completed, not left half-written
+        if manager is not None:
+            checkpoint.close_train_state(manager)
     history["wall_seconds"] = wall_before + time.perf_counter() - start
     return _result(seeds, state, history, cfg, task, resumed_from)
