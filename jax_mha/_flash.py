@@ -71,6 +71,7 @@ class Plan(NamedTuple):
     score_mod: object = None
     mask_mod: object = None
     soft_cap: float | None = None
+    mask_ranges: tuple | None = None  # per query block, mask_mod's key blocks [first, last)
 
     @property
     def num_row_blocks(self) -> int:
@@ -154,7 +155,48 @@ def _key_blocks(plan: Plan, a: Arrays, i0):
         hi = jnp.minimum(hi, jnp.max(a.kv_len))
     if a.q_len is not None:
         hi = jnp.where(i0 >= jnp.max(a.q_len), lo, hi)
-    return lo // plan.k_block, (hi + plan.k_block - 1) // plan.k_block
+    lo, hi = lo // plan.k_block, (hi + plan.k_block - 1) // plan.k_block
+    if plan.mask_ranges is not None:  # the mask function's own block range (`_mask_mod_ranges`)
+        ranges = jnp.asarray(plan.mask_ranges, jnp.int32)  # (Np / bq, 2)
+        first, last = ranges[i0 // plan.q_block, 0], ranges[i0 // plan.q_block, 1]
+        lo, hi = jnp.maximum(lo, first), jnp.minimum(hi, last)
+        hi = jnp.maximum(hi, lo)
+    return lo, hi
+
+
+@functools.lru_cache(maxsize=32)
+def _mask_mod_ranges(mask_mod, batch: int, heads: int, n: int, s: int, n_pad: int, s_pad: int, q_block: int,
+                     k_block: int) -> tuple[tuple[int, int], ...]:
+    """Per query block, the key blocks `[first, last)` holding a key `mask_mod` allows
+    for some batch entry and head: FlexAttention's block mask, reduced to one range
+    per query block, computed once per (function, shapes) (cached: `mask_mod` must
+    be a pure function of its indices) one query block at a time, never an (N, S)
+    array. The engine's loop is then as long as the widest range, so a mask function
+    written as a window runs the loop of the built-in window; blocks inside a range
+    are still tested one by one (`_visible`)."""
+    nk = s_pad // k_block
+
+    @jax.jit
+    def table():
+        b = jnp.arange(batch, dtype=jnp.int32).reshape(-1, 1, 1, 1)
+        h = jnp.arange(heads, dtype=jnp.int32).reshape(1, -1, 1, 1)
+        cols = jnp.arange(s_pad, dtype=jnp.int32).reshape(1, 1, 1, -1)
+
+        def row_block(r):
+            rows = (r * q_block + jnp.arange(q_block, dtype=jnp.int32)).reshape(1, 1, -1, 1)
+            ok = mask_mod(b, h, rows, cols) & (rows < n) & (cols < s)
+            ok = jnp.any(jnp.broadcast_to(ok, ok.shape[:2] + (q_block, s_pad)), axis=(0, 1, 2))  # (Sp,)
+            return jnp.any(ok.reshape(nk, k_block), axis=-1)
+
+        return lax.map(row_block, jnp.arange(n_pad // q_block))
+
+    with jax.ensure_compile_time_eval():
+        seen = np.asarray(table())  # (Np / bq, nk)
+    out = []
+    for row in seen:
+        idx = np.flatnonzero(row)
+        out.append((int(idx[0]), int(idx[-1]) + 1) if idx.size else (0, 0))
+    return tuple(out)
 
 
 def _block_indices(plan: Plan, i0, j0):
@@ -629,6 +671,10 @@ def _prepare(q, k, v, vis: Visibility, *, scale, q_block: int, k_block: int, bad
     for size in batch:
         b_flat *= size
     plan, score_consts, mask_consts = _convert_mods(vis, plan, b_flat, kv_heads)
+    if vis.mask_mod is not None and not mask_consts:  # a concrete function: its block ranges once
+        ranges = _mask_mod_ranges(vis.mask_mod, b_flat, heads, n, s, n_pad, s_pad, q_block, k_block)
+        widest = max(hi - lo for lo, hi in ranges)
+        plan = plan._replace(mask_ranges=ranges, band=max(1, min(plan.band, widest)))
     flat = lambda x: jnp.broadcast_to(x, batch + x.shape[-3:]).reshape((-1,) + x.shape[-3:])
     q_e = _pad(flat(q).reshape(-1, kv_heads, groups, n, d), 3, n_pad, 0)
     q_e = q_e.reshape(q_e.shape[0], kv_heads, groups * n_pad, d)  # (B, K, G·Np, D)
