@@ -80,6 +80,7 @@ class Visibility:
       mask_mod: `mask_mod(batch, head, q_idx, kv_idx) -> bool`, or None.
       logits_soft_cap: c > 0 (a Python float) or None.
       Callables are static metadata: they hash by identity, so jit caches per function.
+      batch_shape, num_heads: `B…` and H, for the mods' index arrays (`dense_heads`).
     """
 
     n: int

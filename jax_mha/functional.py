@@ -596,7 +596,7 @@ def attention(
 ):
     """Scaled dot-product attention for all heads at once.
 
-    `softmax(q kᵀ · scale + bias, masked) v`. The logits are scaled and soft-maxed in
+    `softmax(cap(score_mod(q kᵀ · scale + bias)), masked) v`. The logits are scaled and soft-maxed in
     float32 whatever the input dtype (float64 in float64); the output has q's dtype.
     Every path (`implementation`) reads the same description of who may attend
     (`jax_mha._masking`), so they agree to rounding, edge cases included.
@@ -628,6 +628,31 @@ def attention(
         mask on the blockwise path, which skips key blocks whose id range cannot meet
         the query block's (see `jax_mha.blockwise`).
       kv_segment_ids: int `(B…, S)`; defaults to `q_segment_ids` when N == S.
+      score_mod: `score_mod(score, batch, head, q_idx, kv_idx) -> score` (PyTorch
+        FlexAttention's name and signature), or None. Called with broadcastable int32
+        index arrays of the scores' rank (scalar-style code works by broadcasting):
+        `batch` the flattened index over all leading dims `B…` (row-major: for
+        `B… = (2, 3)`, entry `(1, 2)` is 5), `head` the query head (0…H-1), `q_idx` the
+        query row (0…N-1; its key position is `q_idx + S - N`), `kv_idx` the key. It
+        must return the score's shape and dtype (float32, float64 for float64 inputs);
+        a `-inf` masks the key. The order on the logits is: scale → `bias` →
+        `score_mod` → `logits_soft_cap` → masks. Gradients reach what it closes over
+        (a T5 relative-bias table, ALiBi slopes), on every path: the blockwise path
+        hoists those values out of the closure (`jax.closure_convert`) into inputs of
+        its custom derivative. Never builds an `(N, S)` array on the blockwise path.
+      mask_mod: `mask_mod(batch, head, q_idx, kv_idx) -> bool` (FlexAttention's), or
+        None: True = may attend, AND-ed with every other part. Same index arrays; its
+        result must be boolean and broadcast to the scores. The blockwise path skips
+        the key blocks it rules out: for a function of the indices alone (closing over
+        no traced value), each query block's range of key blocks holding a visible
+        key is computed once per (function, shapes) and cached, so the key loop is as
+        short as the built-in pattern's (a `mask_mod` window runs like
+        `local_window_size`); every block in range is then tested on its own
+        `(q_block, k_block)` index grid and skipped when empty. A `mask_mod` closing
+        over traced values (e.g. document ids under jit) gets only the per-block test.
+        It must be a pure function of its arguments: the cache keys on its identity.
+      logits_soft_cap: `c > 0`: logits become `c · tanh(logits / c)` (Gemma 2), after
+        `score_mod`, before masking. A static number.
       empty_rows: what a query with no visible key outputs: `"zero"` (default; zeros
         in the output, the weights and every gradient) or `"uniform"` (the mean of all
         S values, weights 1/S: what flax and jax.nn return).
@@ -657,11 +682,15 @@ def attention(
 
     Raises:
       TypeError: for integer, complex or mixed dtypes, a non-boolean mask, a
-        non-floating bias, non-integer lengths or segment ids, or a bad
-        `local_window_size`.
+        non-floating bias, non-integer lengths or segment ids, a bad
+        `local_window_size`, a non-callable mod, a `score_mod` returning another
+        dtype, a `mask_mod` returning non-booleans, a non-number soft-cap.
       ValueError: for shapes that do not fit (naming them), `kv_segment_ids` left
-        out when N != S, an unknown implementation
-        or one that cannot run these inputs, a bad option, or dropout without a key.
+        out when N != S, an unknown implementation or one that cannot run these inputs
+        (cuDNN refuses `score_mod` and `logits_soft_cap`; both Pallas kernels refuse
+        the mods, the Triton one the soft-cap too; splash takes the soft-cap), a
+        mod whose result has the wrong shape, a soft-cap not positive and finite, a
+        bad option, or dropout without a key.
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     batch = _check_qkv(q, k, v)
