@@ -138,7 +138,8 @@ def test_sliding_window_mask_mod_equals_local_window_size_and_visits_as_few_bloc
     q = jnp.asarray(rng.normal(size=(1, 2, n, D)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(1, 1, s, D)), jnp.float32) for _ in range(2))
     window = lambda b, h, i, j: (j <= i) & (j >= i - 9)
-    f = lambda **kw: jax.grad(lambda q: jnp.sum(jnp.sin(attention(q, k, v, implementation="blockwise", **kw))))(q)
+    f = lambda **kw: jax.jit(jax.grad(lambda q: jnp.sum(jnp.sin(attention(q, k, v, implementation="blockwise",
+                                                                           **kw)))))(q)
     chex.assert_trees_all_close(f(mask_mod=window), f(is_causal=True, local_window_size=(9, 0)), atol=1e-6)
     got = visited_blocks(q, k, v, Visibility(n, s, mask_mod=window, batch_shape=(1,), num_heads=2),
                          q_block=8, k_block=8)
@@ -166,15 +167,15 @@ def test_mask_mod_emptying_rows_follows_empty_rows(rng, path, empty_rows):
     q, k, v, _ = case_inputs(rng, "alibi")
     mod = lambda b, h, i, j: (i % 3 != 0) & (j >= i)  # rows 0, 3, 6 see nothing
     allowed = (np.arange(N)[:, None] % 3 != 0) & (np.arange(S)[None] >= np.arange(N)[:, None])
-    out, grads = jax.value_and_grad(lambda q, k, v: jnp.sum(run(path, q, k, v, mask_mod=mod, empty_rows=empty_rows)
-                                                            ** 2), argnums=(0, 1, 2))(q, k, v)
-    got = run(path, q, k, v, mask_mod=mod, empty_rows=empty_rows)
+    f = lambda q, k, v: run(path, q, k, v, mask_mod=mod, empty_rows=empty_rows)
+    got, grads = jax.jit(lambda q, k, v: (f(q, k, v), jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))(
+        q, k, v)))(q, k, v)
     want = dense(q, k, v, allowed=jnp.asarray(allowed))
     if empty_rows == "uniform":
         mean = jnp.repeat(jnp.mean(v, axis=-2, keepdims=True), H // K, axis=-3)
         want = jnp.where(jnp.asarray(allowed.any(-1))[:, None], want, mean)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
-    assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads) and np.isfinite(float(out))
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
 
 
 @pytest.mark.parametrize("path", ["xla", "blockwise"])
@@ -183,11 +184,11 @@ def test_vmap_and_jvp_through_a_score_mod(rng, path):
     and the slopes, against the float64 dense formulation."""
     q, k, v, slopes = case_inputs(rng, "alibi")
     many = jnp.stack([slopes, 2 * slopes])
-    got = jax.vmap(lambda s: run(path, q, k, v, **alibi(s)))(many)
+    got = jax.jit(jax.vmap(lambda s: run(path, q, k, v, **alibi(s))))(many)
     want = jnp.stack([dense(q, k, v, **alibi_dense(s)) for s in many])
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
     dq, ds = jnp.ones_like(q), jnp.ones_like(slopes)
-    _, t_got = jax.jvp(lambda q, s: run(path, q, k, v, **alibi(s)), (q, slopes), (dq, ds))
+    _, t_got = jax.jit(lambda *a: jax.jvp(lambda q, s: run(path, q, k, v, **alibi(s)), (q, slopes), (dq, ds)))()
     _, t_want = jax.jvp(lambda q, s: dense(q, k, v, **alibi_dense(s)), (q, slopes), (dq, ds))
     np.testing.assert_allclose(np.asarray(t_got), np.asarray(t_want), atol=2e-5)
 
