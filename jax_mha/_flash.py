@@ -102,7 +102,7 @@ _PER_HEAD_FIELDS = ("q", "k", "v", "bias", "mask", "q_len", "kv_len", "bad_kv", 
 
 def _mod_heads(plan: Plan, a: Arrays, g):
     """`(batch index, query head index)` int32 of rank 4 for the mods' calls."""
-    return a.b_idx, a.k_idx * plan.groups + g
+    return a.b_idx, (a.k_idx * plan.groups + g).astype(jnp.int32)  # int32 under x64 too (the converted avals)
 
 
 def _bound(fn, consts):

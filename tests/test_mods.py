@@ -280,3 +280,13 @@ def test_hessian_in_the_slopes_through_score_mod_soft_cap_and_mask_mod(rng):
     slopes = jnp.asarray([0.3, -0.5])
     hess = lambda path: jax.jit(jax.hessian(f(path)))(slopes)
     chex.assert_trees_all_close(hess("blockwise"), hess("xla"), atol=1e-6)
+
+
+def test_float64_inputs_on_the_engine_match_the_whole_scores(rng):
+    """Under x64 the engine's indices stay int32 (the mods were converted for them)."""
+    with x64():
+        q, k, v, slopes = case_inputs(rng, "alibi", np.float64)
+        mods = lambda s: alibi(s) | dict(mask_mod=lambda b, h, i, j: (j - i) % 3 != 0, logits_soft_cap=2.0)
+        grads = {path: jax.jit(jax.grad(lambda s: jnp.sum(jnp.sin(run(path, q, k, v, **mods(s))))))(slopes)
+                 for path in ("xla", "blockwise")}
+        np.testing.assert_allclose(np.asarray(grads["blockwise"]), np.asarray(grads["xla"]), rtol=1e-10, atol=1e-12)
