@@ -5,6 +5,8 @@ jax.nn aligns `is_causal` and `local_window_size` top-left; ours are bottom-righ
 (`jax_mha._masking`). They agree when N == S; otherwise the pattern goes in as an
 explicit mask. Like jax.nn's cuDNN kernel this path has a custom VJP only: reverse
 mode (`grad`, `vjp`), no `jvp`/`jacfwd`; use `"xla"` or `"blockwise"` for those.
+A `mask_mod` goes in evaluated into that dense mask (as segment ids do); `score_mod`
+and `logits_soft_cap` cuDNN cannot express: `attention` refuses them by name.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from jax_mha._masking import Visibility, Window, block_allowed, compute_dtype, key_block_band, key_range
+from jax_mha._masking import Visibility, Window, block_allowed, compute_dtype, key_block_band, key_range, score_logits
 
 _SCORES = "bkqd,bkcd->bkqc"  # q kᵀ per block (also dq kᵀ, q dkᵀ)
 _MIX = "bkqc,bkcd->bkqd"  # p v per block (also a v, p dv)
@@ -66,6 +66,12 @@ class Plan(NamedTuple):
     scale: float
     dtype: str  # accumulation dtype: "float32", or "float64" for float64 inputs
     per_head: bool = True  # one (sequence, head) at a time (`_head`), or all B·K together
+    # The mods, closure-converted (`_convert_mods`) for this plan's block shapes:
+    # `score_mod(score, b, h, q_idx, kv_idx, *Arrays.score_consts)`, likewise mask_mod.
+    score_mod: object = None
+    mask_mod: object = None
+    soft_cap: float | None = None
+    mask_ranges: tuple | None = None  # per query block, mask_mod's key blocks [first, last)
 
     @property
     def num_row_blocks(self) -> int:
@@ -85,13 +91,30 @@ class Arrays(NamedTuple):
     bad_kv: jax.Array | None  # bool (B, K, Sp): keys whose key or value had a non-finite entry
     q_ids: jax.Array | None = None  # int32 (B|1, 1, Np): query segment ids, padded with the last id
     kv_ids: jax.Array | None = None  # int32 (B|1, 1, Sp)
+    b_idx: jax.Array | None = None  # int32 (B, 1, 1, 1): the flat batch index, for the mods
+    k_idx: jax.Array | None = None  # int32 (1, K, 1, 1): the key/value head index, for the mods
+    score_consts: tuple = ()  # what score_mod closes over (differentiable where floating)
+    mask_consts: tuple = ()  # what mask_mod closes over
+
+
+_PER_HEAD_FIELDS = ("q", "k", "v", "bias", "mask", "q_len", "kv_len", "bad_kv", "q_ids", "kv_ids", "b_idx", "k_idx")
+
+
+def _mod_heads(plan: Plan, a: Arrays, g):
+    """`(batch index, query head index)` int32 of rank 4 for the mods' calls."""
+    return a.b_idx, (a.k_idx * plan.groups + g).astype(jnp.int32)  # int32 under x64 too (the converted avals)
+
+
+def _bound(fn, consts):
+    return None if fn is None else (lambda *args: fn(*args, *consts))
 
 
 def _visibility(plan: Plan, a: Arrays) -> Visibility:
     """The description with the engine-layout arrays (one batch entry and head when
     `plan.per_head`), for `block_allowed` and `key_range`."""
     return Visibility(plan.n, plan.s, plan.is_causal, plan.window, mask=a.mask, q_lengths=a.q_len,
-                      kv_lengths=a.kv_len)
+                      kv_lengths=a.kv_len, score_mod=_bound(plan.score_mod, a.score_consts),
+                      mask_mod=_bound(plan.mask_mod, a.mask_consts), logits_soft_cap=plan.soft_cap)
 
 
 def _segment_block(a: Arrays, plan: Plan, i0, j0):
@@ -132,26 +155,106 @@ def _key_blocks(plan: Plan, a: Arrays, i0):
         hi = jnp.minimum(hi, jnp.max(a.kv_len))
     if a.q_len is not None:
         hi = jnp.where(i0 >= jnp.max(a.q_len), lo, hi)
-    return lo // plan.k_block, (hi + plan.k_block - 1) // plan.k_block
+    lo, hi = lo // plan.k_block, (hi + plan.k_block - 1) // plan.k_block
+    if plan.mask_ranges is not None:  # the mask function's own block range (`_mask_mod_ranges`)
+        ranges = jnp.asarray(plan.mask_ranges, jnp.int32)  # (Np / bq, 2)
+        first, last = ranges[i0 // plan.q_block, 0], ranges[i0 // plan.q_block, 1]
+        lo, hi = jnp.maximum(lo, first), jnp.minimum(hi, last)
+        hi = jnp.maximum(hi, lo)
+    return lo, hi
+
+
+@functools.lru_cache(maxsize=32)
+def _mask_mod_ranges(mask_mod, batch: int, heads: int, n: int, s: int, n_pad: int, s_pad: int, q_block: int,
+                     k_block: int) -> tuple[tuple[int, int], ...]:
+    """Per query block, the key blocks `[first, last)` holding a key `mask_mod` allows
+    for some batch entry and head: FlexAttention's block mask, reduced to one range
+    per query block, computed once per (function, shapes) (cached: `mask_mod` must
+    be a pure function of its indices) one query block at a time, never an (N, S)
+    array. The engine's loop is then as long as the widest range, so a mask function
+    written as a window runs the loop of the built-in window; blocks inside a range
+    are still tested one by one (`_visible`)."""
+    nk = s_pad // k_block
+
+    @jax.jit
+    def table():
+        b = jnp.arange(batch, dtype=jnp.int32).reshape(-1, 1, 1, 1)
+        h = jnp.arange(heads, dtype=jnp.int32).reshape(1, -1, 1, 1)
+        cols = jnp.arange(s_pad, dtype=jnp.int32).reshape(1, 1, 1, -1)
+
+        def row_block(r):
+            rows = (r * q_block + jnp.arange(q_block, dtype=jnp.int32)).reshape(1, 1, -1, 1)
+            ok = mask_mod(b, h, rows, cols) & (rows < n) & (cols < s)
+            ok = jnp.any(jnp.broadcast_to(ok, ok.shape[:2] + (q_block, s_pad)), axis=(0, 1, 2))  # (Sp,)
+            return jnp.any(ok.reshape(nk, k_block), axis=-1)
+
+        return lax.map(row_block, jnp.arange(n_pad // q_block))
+
+    with jax.ensure_compile_time_eval():
+        seen = np.asarray(table())  # (Np / bq, nk)
+    out = []
+    for row in seen:
+        idx = np.flatnonzero(row)
+        out.append((int(idx[0]), int(idx[-1]) + 1) if idx.size else (0, 0))
+    return tuple(out)
+
+
+def _block_indices(plan: Plan, i0, j0):
+    rows = (i0 + lax.broadcasted_iota(jnp.int32, (plan.q_block, 1), 0)).astype(jnp.int32)
+    cols = (j0 + lax.broadcasted_iota(jnp.int32, (1, plan.k_block), 1)).astype(jnp.int32)
+    return rows, cols
+
+
+def _mods(plan: Plan, a: Arrays, s, g, rows, cols, ds=None, d_consts=None):
+    """`(logits, d logits)`: score_mod and the soft-cap on one block of scaled, biased
+    scores `s`, and their tangent (a JVP through the mods) given the tangent `ds` of
+    `s` and `d_consts` of score_mod's floating constants (each None = zero)."""
+    if plan.score_mod is None and plan.soft_cap is None:
+        return s, ds
+    vis = _visibility(plan, a)
+    heads = _mod_heads(plan, a, g)
+    floats = [i for i, c in enumerate(a.score_consts) if jnp.issubdtype(c.dtype, jnp.floating)]
+
+    def post(x, *fc):
+        consts = list(a.score_consts)
+        for i, c in zip(floats, fc):
+            consts[i] = c
+        v = vis if plan.score_mod is None else Visibility(
+            vis.n, vis.s, score_mod=_bound(plan.score_mod, consts), logits_soft_cap=plan.soft_cap)
+        return score_logits(v, x, heads, rows, cols)
+
+    live = [] if d_consts is None else [d_consts[i] for i in floats]
+    if ds is None and all(t is None for t in live):
+        return post(s, *(a.score_consts[i] for i in floats)), None
+    tangents = [jnp.zeros_like(s) if ds is None else ds]
+    tangents += [jnp.zeros_like(a.score_consts[i]) if t is None else t.astype(a.score_consts[i].dtype)
+                 for i, t in zip(floats, live or [None] * len(floats))]
+    return jax.jvp(post, (s, *(a.score_consts[i] for i in floats)), tuple(tangents))
 
 
 def _scores(plan: Plan, a: Arrays, q_i, k_j, g, i0, j0):
     """float32 scores of one block with -inf where masked, and the allowed mask."""
+    s, allowed, _ = _scores_and_tangent(plan, a, q_i, k_j, g, i0, j0)
+    return s, allowed
+
+
+def _scores_and_tangent(plan: Plan, a: Arrays, q_i, k_j, g, i0, j0, ds=None, d_consts=None):
+    """`_scores`, and the tangent of the logits through the mods (`_mods`)."""
     s = jnp.einsum(_SCORES, q_i, k_j, preferred_element_type=_F(plan))
     s = s * jnp.asarray(plan.scale, _F(plan))
     bias = _pair_block(a.bias, plan, g, i0, j0)
     if bias is not None:
         s = s + bias.astype(_F(plan))
-    rows = i0 + lax.broadcasted_iota(jnp.int32, (plan.q_block, 1), 0)
-    cols = j0 + lax.broadcasted_iota(jnp.int32, (1, plan.k_block), 1)
+    rows, cols = _block_indices(plan, i0, j0)
+    s, ds = _mods(plan, a, s, g, lax.broadcast_to_rank(rows, 4), lax.broadcast_to_rank(cols, 4), ds, d_consts)
     allowed = block_allowed(_visibility(plan, a), rows, cols, _pair_block(a.mask, plan, g, i0, j0), 4,
-                            _segment_block(a, plan, i0, j0))
+                            _segment_block(a, plan, i0, j0), _mod_heads(plan, a, g))
     if plan.s_pad != plan.s:  # keys added by padding never take part
         pad_ok = lax.broadcast_to_rank(cols < plan.s, 4)
         allowed = pad_ok if allowed is None else allowed & pad_ok
     if allowed is not None:
         s = jnp.where(allowed, s, -jnp.inf)
-    return s, allowed
+    return s, allowed, ds
 
 
 def _F(plan: Plan):
@@ -220,6 +323,13 @@ def _visible(plan: Plan, a: Arrays, g, i0, j, lo, hi):
     if segments is not None:
         q_ids, kv_ids = segments
         ok = ok & (jnp.min(q_ids) <= jnp.max(kv_ids)) & (jnp.min(kv_ids) <= jnp.max(q_ids))
+    if plan.mask_mod is not None:
+        # The mask function on the block's (q_block x k_block) index grid: O(block)
+        # comparisons, far cheaper than the block's matmuls, and never an (N, S) array.
+        rows, cols = _block_indices(plan, i0, j * plan.k_block)
+        b, h = _mod_heads(plan, a, g)
+        ok = ok & jnp.any(plan.mask_mod(b, h, lax.broadcast_to_rank(rows, 4), lax.broadcast_to_rank(cols, 4),
+                                        *a.mask_consts))
     return ok
 
 
@@ -227,7 +337,7 @@ def visited_blocks(q, k, v, vis: Visibility, *, q_block: int, k_block: int) -> i
     """How many (query block, key block) pairs the engine computes for these inputs:
     the same `_key_blocks` and `_visible` decisions the loop takes, summed over every
     batch entry and head (for tests and studies of block skipping)."""
-    plan, a = _prepare(q, k, v, vis, scale=1.0, q_block=q_block, k_block=k_block, bad_kv=None)
+    plan, a = _prepare(q, k, v, vis, scale=1.0, q_block=q_block, k_block=k_block, bad_kv=None, per_head=True)
     b, kv_heads = a.q.shape[:2]
 
     def count(f):
@@ -303,7 +413,7 @@ def _head(a: Arrays, h, num_kv_heads: int) -> Arrays:
     every step dependent on its index, so JAX's partial evaluation never hoists
     head-invariant block work out of the rematerialised backward into O(N·S) arrays.
     """
-    return Arrays(*(_head_of(h // num_kv_heads, h % num_kv_heads, x) for x in a))
+    return a._replace(**{f: _head_of(h // num_kv_heads, h % num_kv_heads, getattr(a, f)) for f in _PER_HEAD_FIELDS})
 
 
 def _head_of(b_index, k_index, x):
@@ -351,8 +461,7 @@ def _tangent_block(plan: Plan, a: Arrays, da: Arrays, band: KeyBand, q_i, dq_i, 
     `(A v + P dv, rowsum(A))`."""
     bk = plan.k_block
     k_j = band.block("k", t, bk)
-    s, allowed = _scores(plan, a, q_i, k_j, g, i0, j * bk)
-    p = jnp.exp(s - lse_i[..., None])  # the softmax weights; 0 where masked or empty
+    p = None
     ds = None
     if dq_i is not None:
         ds = jnp.einsum(_SCORES, dq_i, k_j, preferred_element_type=_F(plan))
@@ -364,6 +473,10 @@ def _tangent_block(plan: Plan, a: Arrays, da: Arrays, band: KeyBand, q_i, dq_i, 
     dbias = _pair_block(da.bias, plan, g, i0, j * bk)
     if dbias is not None:
         ds = dbias.astype(_F(plan)) if ds is None else ds + dbias.astype(_F(plan))
+    s, allowed, ds = _scores_and_tangent(plan, a, q_i, k_j, g, i0, j * bk, ds, da.score_consts or None)
+    p = jnp.exp(s - lse_i[..., None])  # the softmax weights; 0 where masked or empty
+    if ds is not None and (plan.score_mod is not None or plan.soft_cap is not None):
+        ds = jnp.where(s == -jnp.inf, 0.0, ds)  # a mod's tangent at a -inf logit never meets p = 0
     rows = q_i.shape[:3]
     mixed = jnp.zeros(rows + (a.v.shape[-1],), _F(plan))
     c = jnp.zeros(rows, _F(plan))
@@ -411,8 +524,8 @@ def _tangent(plan: Plan, a: Arrays, da: Arrays, out, lse):
         h, q, k_, v, bad, dq, dk, dv, out_h, lse_h = x
         pick = functools.partial(_head_of, h // k, h % k)
         head = Arrays(q, k_, v, pick(a.bias), pick(a.mask), pick(a.q_len), pick(a.kv_len), bad,
-                      pick(a.q_ids), pick(a.kv_ids))
-        dhead = Arrays(None, dk, dv, pick(da.bias), None, None, None, None)
+                      pick(a.q_ids), pick(a.kv_ids), pick(a.b_idx), pick(a.k_idx), a.score_consts, a.mask_consts)
+        dhead = Arrays(None, dk, dv, pick(da.bias), None, None, None, None, score_consts=da.score_consts)
         xs = (jnp.arange(plan.num_row_blocks), rows(q), rows(dq), rows(out_h), rows(lse_h))
         d_out, d_lse = lax.map(functools.partial(_tangent_rows, plan, head, dhead), xs)
         return _unstack(d_out, 1, 1), _unstack(d_lse, 1, 1)
@@ -438,10 +551,13 @@ _flash_jit = jax.jit(flash_attention, static_argnums=0)
 def _flash_attention_jvp(plan, primals, tangents):
     (a,), (da,) = primals, tangents
     live = lambda t: None if t is None or type(t) is SymbolicZero else t.astype(_F(plan))
-    da = Arrays(live(da.q), live(da.k), live(da.v), live(da.bias), None, None, None, None)
+    consts = tuple(live(t) if jnp.issubdtype(c.dtype, jnp.floating) else None
+                   for c, t in zip(a.score_consts, da.score_consts))
+    da = Arrays(live(da.q), live(da.k), live(da.v), live(da.bias), None, None, None, None,
+                score_consts=consts if any(t is not None for t in consts) else ())
     out, lse, touched = _forward(plan, a)
     no_tangent = np.zeros(touched.shape, jax.dtypes.float0)  # touched is boolean
-    if all(t is None for t in da[:4]):
+    if all(t is None for t in da[:4]) and not da.score_consts:
         return (out, lse, touched), (jnp.zeros_like(out), jnp.zeros_like(lse), no_tangent)
     return (out, lse, touched), (*_tangent(plan, a, da, out, lse), no_tangent)
 
@@ -515,8 +631,33 @@ def check_description(vis) -> None:
                         f"{type(vis).__name__}; call jax_mha.attention(..., implementation='blockwise')")
 
 
-def _prepare(q, k, v, vis: Visibility, *, scale, q_block: int, k_block: int, bad_kv):
-    """`(Plan, Arrays)`: the public layout moved into the engine's."""
+def _convert_mods(vis: Visibility, plan: Plan, b: int, kv_heads: int):
+    """`(plan with the converted mods, score consts, mask consts)`.
+
+    `jax.closure_convert` hoists the traced values a mod closes over (a learned
+    relative-bias table, ALiBi slopes) into explicit arguments: they enter the
+    engine's custom JVP as inputs, so gradients reach them. The converted function is
+    specialised to the argument shapes, which are the same for every block of a plan:
+    the score block `(B|1, K|1, bq, bk)` and the index arrays of rank 4."""
+    if vis.score_mod is None and vis.mask_mod is None:
+        return plan._replace(soft_cap=vis.logits_soft_cap), (), ()
+    lead = (1, 1) if plan.per_head else (b, kv_heads)
+    i32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    idx = (i32((lead[0], 1, 1, 1)), i32((1, lead[1], 1, 1)), i32((1, 1, plan.q_block, 1)), i32((1, 1, 1, plan.k_block)))
+    score_fn = mask_fn = None
+    score_consts = mask_consts = ()
+    if vis.score_mod is not None:
+        score = jax.ShapeDtypeStruct(lead + (plan.q_block, plan.k_block), jnp.dtype(plan.dtype))
+        score_fn, score_consts = jax.closure_convert(vis.score_mod, score, *idx)
+    if vis.mask_mod is not None:
+        mask_fn, mask_consts = jax.closure_convert(vis.mask_mod, *idx)
+    plan = plan._replace(score_mod=score_fn, mask_mod=mask_fn, soft_cap=vis.logits_soft_cap)
+    return plan, tuple(score_consts), tuple(mask_consts)
+
+
+def _prepare(q, k, v, vis: Visibility, *, scale, q_block: int, k_block: int, bad_kv, per_head: bool | None = None):
+    """`(Plan, Arrays)`: the public layout moved into the engine's (`per_head` None:
+    `one_cpu_device()` decides)."""
     batch = tuple(jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
     (heads, n, d), (kv_heads, s, _) = q.shape[-3:], v.shape[-3:]
     groups = heads // kv_heads
@@ -524,7 +665,16 @@ def _prepare(q, k, v, vis: Visibility, *, scale, q_block: int, k_block: int, bad
     dtype = compute_dtype(q.dtype)
     band = key_block_band(vis, n_pad, q_block, k_block, s_pad // k_block)
     plan = Plan(n, s, n_pad, s_pad, groups, q_block, k_block, band, vis.is_causal, vis.window,
-                float(scale), jnp.dtype(dtype).name, one_cpu_device() and d <= PER_HEAD_MAX_DIM)
+                float(scale), jnp.dtype(dtype).name,
+                one_cpu_device() and d <= PER_HEAD_MAX_DIM if per_head is None else per_head)
+    b_flat = 1
+    for size in batch:
+        b_flat *= size
+    plan, score_consts, mask_consts = _convert_mods(vis, plan, b_flat, kv_heads)
+    if vis.mask_mod is not None and not mask_consts:  # a concrete function: its block ranges once
+        ranges = _mask_mod_ranges(vis.mask_mod, b_flat, heads, n, s, n_pad, s_pad, q_block, k_block)
+        widest = max(hi - lo for lo, hi in ranges)
+        plan = plan._replace(mask_ranges=ranges, band=max(1, min(plan.band, widest)))
     flat = lambda x: jnp.broadcast_to(x, batch + x.shape[-3:]).reshape((-1,) + x.shape[-3:])
     q_e = _pad(flat(q).reshape(-1, kv_heads, groups, n, d), 3, n_pad, 0)
     q_e = q_e.reshape(q_e.shape[0], kv_heads, groups * n_pad, d)  # (B, K, G·Np, D)
@@ -536,6 +686,8 @@ def _prepare(q, k, v, vis: Visibility, *, scale, q_block: int, k_block: int, bad
         _lengths(vis.q_lengths, batch), _lengths(vis.kv_lengths, batch),
         None if bad_kv is None else _pad(flat(bad_kv[..., None])[..., 0], 2, s_pad, False),
         _segments(vis.q_segment_ids, batch, n_pad), _segments(vis.kv_segment_ids, batch, s_pad),
+        jnp.arange(b_flat, dtype=jnp.int32).reshape(-1, 1, 1, 1), jnp.arange(kv_heads, dtype=jnp.int32).reshape(1, -1, 1, 1),
+        score_consts, mask_consts,
     )
     return plan, a
 

@@ -18,6 +18,14 @@ iff all of:
 * `i < q_lengths[b]` and `j < kv_lengths[b]`      (per-sequence lengths)
 * `q_segment_ids[b, i] == kv_segment_ids[b, j]`   (packed sequences)
 * `mask[..., i, j]`                               (explicit boolean mask)
+* `mask_mod(b, h, i, j)`                          (a mask function, FlexAttention's)
+
+and the logit of a visible pair is, in this order (`score_logits`):
+scale · q·k → + bias → `score_mod(score, b, h, i, j)` → `c · tanh(· / c)`
+(`logits_soft_cap = c`, Gemma 2) → masked. A logit that is `-inf` after `score_mod`
+masks its key (soft-capping keeps it `-inf`). The mods are called with broadcastable
+int32 index arrays: `b` the flattened batch index (row-major over `B…`), `h` the query
+head (0…H-1), `i` the query row (0…N-1, its key position is `i + offset`), `j` the key.
 
 A query row beyond its `q_lengths` is padding: its output is zero whatever the
 `empty_rows` policy.
@@ -40,7 +48,7 @@ class Window(NamedTuple):
     right: int | None
 
 
-_STATIC = ("n", "s", "is_causal", "window")
+_STATIC = ("n", "s", "is_causal", "window", "score_mod", "mask_mod", "logits_soft_cap", "batch_shape", "num_heads")
 
 
 @functools.partial(
@@ -68,6 +76,11 @@ class Visibility:
       q_offset: the key position of query 0, an int or a traced int scalar; None
         means `S - N`. Only the dense evaluation (`dense_allowed`) accepts a traced
         one (decoding: the cache index); `attention` always uses the default.
+      score_mod: `score_mod(score, batch, head, q_idx, kv_idx) -> score`, or None.
+      mask_mod: `mask_mod(batch, head, q_idx, kv_idx) -> bool`, or None.
+      logits_soft_cap: c > 0 (a Python float) or None.
+      Callables are static metadata: they hash by identity, so jit caches per function.
+      batch_shape, num_heads: `B…` and H, for the mods' index arrays (`dense_heads`).
     """
 
     n: int
@@ -81,6 +94,12 @@ class Visibility:
     q_segment_ids: jax.Array | None = None
     kv_segment_ids: jax.Array | None = None
     q_offset: int | jax.Array | None = None
+    score_mod: object = None
+    mask_mod: object = None
+    logits_soft_cap: float | None = None
+
+    batch_shape: tuple = ()
+    num_heads: int = 1
 
     @property
     def offset(self):
@@ -103,7 +122,8 @@ class Visibility:
         window restrict (no mask, no lengths) and they leave every row a key. The
         visible range `[lo, hi)` of row `i` moves right with `i` and keeps its
         unclipped width, so rows 0 and N - 1 are the only ones that can lose it."""
-        if self.mask is not None or self.q_lengths is not None or self.kv_lengths is not None or self.segmented:
+        if (self.mask is not None or self.q_lengths is not None or self.kv_lengths is not None or self.segmented
+                or self.mask_mod is not None or self.score_mod is not None):
             return False
         if not isinstance(self.offset, int):
             return False
@@ -117,7 +137,7 @@ class Visibility:
         """False when every pair may attend (nothing to evaluate)."""
         return (
             self.has_pattern or self.mask is not None or self.segmented
-            or self.q_lengths is not None or self.kv_lengths is not None
+            or self.q_lengths is not None or self.kv_lengths is not None or self.mask_mod is not None
         )
 
 
@@ -142,7 +162,7 @@ def positional(vis: Visibility, rows: jax.Array, cols: jax.Array) -> jax.Array |
 
 def block_allowed(
     vis: Visibility, rows: jax.Array, cols: jax.Array, mask_block: jax.Array | None, rank: int,
-    segments: tuple[jax.Array, jax.Array] | None = None,
+    segments: tuple[jax.Array, jax.Array] | None = None, heads: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array | None:
     """Bool for one block of scores, or None when every pair in it may attend.
 
@@ -153,6 +173,7 @@ def block_allowed(
       mask_block: the explicit mask already sliced to this block (rank `rank`), or None.
       rank: rank of the score block, e.g. 4 for `(B, K, bq, bk)`.
       segments: `(q ids (…, bq, 1), kv ids (…, 1, bk))` sliced to this block, or None.
+      heads: `(batch index, query head index)`, int32 of rank `rank`, for `mask_mod`.
 
     Returns:
       bool broadcastable to the score block, True = may attend.
@@ -170,6 +191,8 @@ def block_allowed(
         parts.append(lift(segments[0]) == lift(segments[1]))
     if mask_block is not None:
         parts.append(lift(mask_block))
+    if vis.mask_mod is not None:
+        parts.append(vis.mask_mod(heads[0], heads[1], lift(rows).astype(jnp.int32), lift(cols).astype(jnp.int32)))
     if not parts:
         return None
     out = parts[0]
@@ -184,7 +207,40 @@ def dense_allowed(vis: Visibility, rank: int) -> jax.Array | None:
     rows = jnp.arange(vis.n)[:, None]
     cols = jnp.arange(vis.s)[None, :]
     segments = (vis.q_segment_ids, vis.kv_segment_ids) if vis.segmented else None
-    return block_allowed(vis, rows, cols, vis.mask, rank, segments)
+    return block_allowed(vis, rows, cols, vis.mask, rank, segments, dense_heads(vis, rank))
+
+
+def dense_heads(vis: Visibility, rank: int, batch: tuple | None = None, heads: int | None = None):
+    """`(batch index (B…, 1, 1, 1), head index (1…, H, 1, 1))` int32 for the mods,
+    from the shapes in `batch`/`heads` (None: read from `vis.batch_shape`)."""
+    if vis.score_mod is None and vis.mask_mod is None:
+        return None
+    batch = vis.batch_shape if batch is None else batch
+    heads = vis.num_heads if heads is None else heads
+    size = 1
+    for d in batch:
+        size *= d
+    b = jnp.arange(size, dtype=jnp.int32).reshape(tuple(batch) + (1, 1, 1))
+    h = jnp.arange(heads, dtype=jnp.int32).reshape((heads, 1, 1))
+    return jax.lax.broadcast_to_rank(b, rank), jax.lax.broadcast_to_rank(h, rank)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """`cap · tanh(x / cap)` (Gemma 2), keeping `-inf` (a masked logit) at `-inf`."""
+    if cap is None:
+        return x
+    c = jnp.asarray(cap, x.dtype)
+    capped = c * jnp.tanh(x / c)
+    return jnp.where(x == -jnp.inf, x, capped)
+
+
+def score_logits(vis: Visibility, s: jax.Array, heads, rows, cols) -> jax.Array:
+    """The mods applied to scaled, biased logits `s` (rank r): `score_mod`, then the
+    soft-cap; `heads`, `rows`, `cols` as for `block_allowed`."""
+    if vis.score_mod is not None:
+        lift = lambda x: jax.lax.broadcast_to_rank(x, s.ndim).astype(jnp.int32)
+        s = vis.score_mod(s, heads[0], heads[1], lift(rows), lift(cols))
+    return soft_cap(s, vis.logits_soft_cap)
 
 
 def key_range(vis: Visibility, first_row, last_row, s: int):
@@ -288,4 +344,5 @@ def num_blocks(length: int, block: int) -> int:
 __all__ = [
     "Visibility", "Window", "block_allowed", "canonical_window", "compute_dtype", "dense_allowed", "fits",
     "key_block_band", "key_range", "lengths_at_rank", "num_blocks", "positional", "segments_at_rank",
+    "dense_heads", "score_logits", "soft_cap",
 ]

@@ -6,7 +6,8 @@ windows (left/right/both, splash `LocalMask` with the same offset), segment ids,
 lengths (folded into segment ids), GQA/MQA (splash's MQA kernel vmapped over kv heads),
 any N and S (padded to the block size with ids no real token has), logits soft-cap.
 Refused with a ValueError naming the part: an additive bias, a dense mask,
-return_weights, dropout with deterministic=False.
+return_weights, dropout with deterministic=False, and (in `jax_mha.attention`) a
+`score_mod` or `mask_mod`.
 
 Transformations: jit, vmap, grad, vjp (splash has a custom_vjp). Forward mode (jvp,
 jacfwd) has no rule: the kernel is a `jax.custom_vjp`, so JAX raises

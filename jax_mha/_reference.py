@@ -13,10 +13,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_mha._masking import compute_dtype
+from jax_mha._masking import compute_dtype, soft_cap
 
 
-def reference_weights(q, k, allowed=None, bias=None, *, scale: float, rows_see_keys: bool = False):
+def reference_weights(q, k, allowed=None, bias=None, *, scale: float, rows_see_keys: bool = False, score_fn=None,
+                      logits_soft_cap=None):
     """Softmax weights with the whole `(B…, H, N, S)` built.
 
     Args:
@@ -28,6 +29,9 @@ def reference_weights(q, k, allowed=None, bias=None, *, scale: float, rows_see_k
       rows_see_keys: the caller knows statically that `allowed` leaves every row a
         key (`Visibility.every_row_sees_a_key`); without a bias the empty-row
         bookkeeping is then skipped (it cost the copy-task training step ~5 ms of 190).
+      score_fn: `logits (B…, H, N, S) -> logits`, applied after the bias (the
+        description's `score_mod` bound to its index arrays), or None.
+      logits_soft_cap: c: `c · tanh(logits / c)` after `score_fn`, or None.
 
     Returns:
       `(weights (B…, H, N, S), empty (B…, H, N))`; weights in float32 (float64 for
@@ -40,14 +44,17 @@ def reference_weights(q, k, allowed=None, bias=None, *, scale: float, rows_see_k
     logits = logits * jnp.asarray(scale, dtype)
     if bias is not None:
         logits = logits + bias.astype(dtype)
+    if score_fn is not None:
+        logits = score_fn(logits)
     ok = allowed
-    if bias is not None:  # a -inf bias masks a key, as PyTorch users write masks
+    if bias is not None or score_fn is not None:  # a -inf bias masks a key, as PyTorch users write masks
         ok = logits != -jnp.inf if ok is None else ok & (logits != -jnp.inf)
+    logits = soft_cap(logits, logits_soft_cap)
     no_empty_rows = jnp.zeros(logits.shape[:-1], bool)
     if ok is None:
         return jax.nn.softmax(logits, axis=-1), no_empty_rows
     masked = jnp.where(ok, logits, -jnp.inf)  # select, so a NaN where masked stays out
-    if rows_see_keys and bias is None:  # a -inf bias could still empty a row
+    if rows_see_keys and bias is None and score_fn is None:  # a -inf bias could still empty a row
         return jax.nn.softmax(masked, axis=-1), no_empty_rows
     empty = ~jnp.any(ok, axis=-1, keepdims=True)
     weights = jnp.where(empty, 0.0, jax.nn.softmax(jnp.where(empty, 0.0, masked), axis=-1))

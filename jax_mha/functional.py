@@ -25,6 +25,7 @@ as their translators document) have a custom VJP only, so reverse mode (`grad`,
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import operator
@@ -337,6 +338,50 @@ def _check_segments(q_ids, kv_ids, batch: tuple, n: int, s: int):
     return tuple(out)
 
 
+def _check_mods(score_mod, mask_mod, logits_soft_cap, dtype):
+    """The mods, checked once by abstract evaluation on small index arrays (nothing
+    runs); returns the soft-cap as a Python float or None.
+
+    Raises:
+      TypeError: a non-callable mod, a score_mod not returning the score's dtype, a
+        mask_mod not returning bool, a soft-cap that is not a number.
+      ValueError: a mod whose result does not have (broadcast to) the score's shape,
+        a soft-cap that is not positive and finite.
+    """
+    dtype = _masking.compute_dtype(dtype)
+    shape = (2, 3, 5, 7)  # (batch, head, q, kv): distinct sizes, so a swapped axis shows
+    idx = [jax.ShapeDtypeStruct(tuple(d if a == i else 1 for a in range(4)), jnp.int32) for i, d in enumerate(shape)]
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__}")
+    if score_mod is not None:
+        out = jax.eval_shape(score_mod, jax.ShapeDtypeStruct(shape, dtype), *idx)
+        if not hasattr(out, "shape") or out.shape != shape:
+            raise ValueError(f"score_mod must return the score's shape (here {shape}), got "
+                             f"{getattr(out, 'shape', type(out).__name__)}")
+        if out.dtype != dtype:
+            raise TypeError(f"score_mod must return the score's dtype {dtype}, got {out.dtype}")
+    if mask_mod is not None:
+        out = jax.eval_shape(mask_mod, *idx)
+        if not hasattr(out, "dtype") or out.dtype != jnp.bool_:
+            raise TypeError(f"mask_mod must return booleans (True = may attend), got "
+                            f"{getattr(out, 'dtype', type(out).__name__)}")
+        if not _masking.fits(out.shape, shape):
+            raise ValueError(f"mask_mod's result of shape {out.shape} does not broadcast to the scores {shape}")
+    if logits_soft_cap is None:
+        return None
+    if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)) and not (
+            hasattr(logits_soft_cap, "ndim") and logits_soft_cap.ndim == 0):
+        raise TypeError(f"logits_soft_cap must be None or a positive number, got {logits_soft_cap!r}")
+    try:
+        cap = float(logits_soft_cap)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        raise TypeError(f"logits_soft_cap must be a static number (not traced), got {logits_soft_cap!r}") from None
+    if not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"logits_soft_cap must be a positive finite number, got {logits_soft_cap!r}")
+    return cap
+
+
 def _check_options(scale, dropout_rate, dropout_rng, deterministic, empty_rows, is_causal, d):
     """The scalar options; returns the scale as a Python float."""
     if empty_rows not in EMPTY_ROWS:
@@ -374,7 +419,7 @@ def _kernel_available(path: str) -> bool:
 
 def resolve_implementation(
     q, k, v, *, implementation: str | None = "auto", return_weights: bool = False, dropout: bool = False,
-    unfused: bool = False,
+    unfused: bool = False, cudnn_ok: bool = True,
 ) -> str:
     """The path `attention` takes for these inputs: `implementation` itself, or for
     `"auto"`/None the fastest valid one by platform: on a TPU `"pallas_tpu"`; on a GPU
@@ -388,7 +433,9 @@ def resolve_implementation(
       return_weights: whether the caller needs the weights (only `"xla"` builds them).
       dropout: whether dropout on the weights is active.
       unfused: whether the description has a part the Pallas kernels refuse (a dense
-        mask or bias); "auto" then keeps to the pure-JAX paths.
+        mask or bias, a score_mod or mask_mod); "auto" then keeps to the pure-JAX paths.
+      cudnn_ok: False when the description has a part cuDNN refuses (score_mod,
+        logits_soft_cap).
 
     Returns:
       One of `IMPLEMENTATIONS` other than `"auto"`.
@@ -404,7 +451,7 @@ def resolve_implementation(
         return implementation
     platform = _platform()
     plain = not (return_weights or dropout)
-    if platform == "gpu" and cudnn_problem(q, k, v, dropout, return_weights) is None:
+    if platform == "gpu" and cudnn_ok and cudnn_problem(q, k, v, dropout, return_weights) is None:
         return "cudnn"
     if plain and not unfused and platform in ("tpu", "gpu") and _kernel_available("pallas_" + platform):
         return "pallas_" + platform
@@ -419,12 +466,26 @@ def _kernel_cannot_express(vis: _masking.Visibility, empty_rows: str) -> bool:
     also a window or lengths (the Triton kernel takes causality and segment ids only)."""
     if vis.mask is not None or vis.bias is not None or empty_rows != "zero":
         return True
+    if vis.score_mod is not None or vis.mask_mod is not None:
+        return True
     return _platform() == "gpu" and (vis.window is not None or vis.q_lengths is not None
-                                     or vis.kv_lengths is not None)
+                                     or vis.kv_lengths is not None or vis.logits_soft_cap is not None)
 
 
-def _check_path(path, q, k, v, dropout, return_weights):
+def _cudnn_refusal(vis) -> str | None:
+    """The part of the description jax.nn's cuDNN call cannot take, or None. (A
+    `mask_mod` it can: evaluated into its dense mask, as segment ids are.)"""
+    if vis.score_mod is not None:
+        return "implementation='cudnn' cannot express score_mod; use 'xla' or 'blockwise'"
+    if vis.logits_soft_cap is not None:
+        return "implementation='cudnn' cannot express logits_soft_cap (cuDNN has no soft-cap); use 'xla' or 'blockwise'"
+    return None
+
+
+def _check_path(path, q, k, v, dropout, return_weights, vis=None):
     """Raises ValueError when the chosen path cannot run these inputs."""
+    if path == "cudnn" and vis is not None and _cudnn_refusal(vis) is not None:
+        raise ValueError(_cudnn_refusal(vis))
     if path == "cudnn":
         problem = cudnn_problem(q, k, v, dropout, return_weights)
         if problem is not None:
@@ -461,7 +522,13 @@ def _weights_path(q, k, v, bad_kv, vis, scale, dropout_rate, dropout_rng):
     """The reference path: `(out, weights, empty, touched)`, dropout on the weights."""
     allowed = _masking.dense_allowed(vis, q.ndim)
     bias = None if vis.bias is None else jax.lax.broadcast_to_rank(vis.bias, q.ndim)
-    weights, empty = reference_weights(q, k, allowed, bias, scale=scale, rows_see_keys=vis.every_row_sees_a_key)
+    score_fn = None
+    if vis.score_mod is not None:
+        heads = _masking.dense_heads(vis, q.ndim)
+        rows, cols = jnp.arange(vis.n)[:, None], jnp.arange(vis.s)[None, :]
+        score_fn = lambda x: _masking.score_logits(dataclasses.replace(vis, logits_soft_cap=None), x, heads, rows, cols)
+    weights, empty = reference_weights(q, k, allowed, bias, scale=scale, rows_see_keys=vis.every_row_sees_a_key,
+                                       score_fn=score_fn, logits_soft_cap=vis.logits_soft_cap)
     if dropout_rate > 0.0:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
         weights = jnp.where(keep, weights / jnp.asarray(1.0 - dropout_rate, weights.dtype), 0.0)
@@ -516,6 +583,9 @@ def attention(
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
     empty_rows: str = "zero",
+    score_mod=None,
+    mask_mod=None,
+    logits_soft_cap: float | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     deterministic: bool = True,
@@ -526,7 +596,7 @@ def attention(
 ):
     """Scaled dot-product attention for all heads at once.
 
-    `softmax(q kᵀ · scale + bias, masked) v`. The logits are scaled and soft-maxed in
+    `softmax(cap(score_mod(q kᵀ · scale + bias)), masked) v`. The logits are scaled and soft-maxed in
     float32 whatever the input dtype (float64 in float64); the output has q's dtype.
     Every path (`implementation`) reads the same description of who may attend
     (`jax_mha._masking`), so they agree to rounding, edge cases included.
@@ -558,6 +628,31 @@ def attention(
         mask on the blockwise path, which skips key blocks whose id range cannot meet
         the query block's (see `jax_mha.blockwise`).
       kv_segment_ids: int `(B…, S)`; defaults to `q_segment_ids` when N == S.
+      score_mod: `score_mod(score, batch, head, q_idx, kv_idx) -> score` (PyTorch
+        FlexAttention's name and signature), or None. Called with broadcastable int32
+        index arrays of the scores' rank (scalar-style code works by broadcasting):
+        `batch` the flattened index over all leading dims `B…` (row-major: for
+        `B… = (2, 3)`, entry `(1, 2)` is 5), `head` the query head (0…H-1), `q_idx` the
+        query row (0…N-1; its key position is `q_idx + S - N`), `kv_idx` the key. It
+        must return the score's shape and dtype (float32, float64 for float64 inputs);
+        a `-inf` masks the key. The order on the logits is: scale → `bias` →
+        `score_mod` → `logits_soft_cap` → masks. Gradients reach what it closes over
+        (a T5 relative-bias table, ALiBi slopes), on every path: the blockwise path
+        hoists those values out of the closure (`jax.closure_convert`) into inputs of
+        its custom derivative. Never builds an `(N, S)` array on the blockwise path.
+      mask_mod: `mask_mod(batch, head, q_idx, kv_idx) -> bool` (FlexAttention's), or
+        None: True = may attend, AND-ed with every other part. Same index arrays; its
+        result must be boolean and broadcast to the scores. The blockwise path skips
+        the key blocks it rules out: for a function of the indices alone (closing over
+        no traced value), each query block's range of key blocks holding a visible
+        key is computed once per (function, shapes) and cached, so the key loop is as
+        short as the built-in pattern's (a `mask_mod` window runs like
+        `local_window_size`); every block in range is then tested on its own
+        `(q_block, k_block)` index grid and skipped when empty. A `mask_mod` closing
+        over traced values (e.g. document ids under jit) gets only the per-block test.
+        It must be a pure function of its arguments: the cache keys on its identity.
+      logits_soft_cap: `c > 0`: logits become `c · tanh(logits / c)` (Gemma 2), after
+        `score_mod`, before masking. A static number.
       empty_rows: what a query with no visible key outputs: `"zero"` (default; zeros
         in the output, the weights and every gradient) or `"uniform"` (the mean of all
         S values, weights 1/S: what flax and jax.nn return).
@@ -587,11 +682,15 @@ def attention(
 
     Raises:
       TypeError: for integer, complex or mixed dtypes, a non-boolean mask, a
-        non-floating bias, non-integer lengths or segment ids, or a bad
-        `local_window_size`.
+        non-floating bias, non-integer lengths or segment ids, a bad
+        `local_window_size`, a non-callable mod, a `score_mod` returning another
+        dtype, a `mask_mod` returning non-booleans, a non-number soft-cap.
       ValueError: for shapes that do not fit (naming them), `kv_segment_ids` left
-        out when N != S, an unknown implementation
-        or one that cannot run these inputs, a bad option, or dropout without a key.
+        out when N != S, an unknown implementation or one that cannot run these inputs
+        (cuDNN refuses `score_mod` and `logits_soft_cap`; both Pallas kernels refuse
+        the mods, the Triton one the soft-cap too; splash takes the soft-cap), a
+        mod whose result has the wrong shape, a soft-cap not positive and finite, a
+        bad option, or dropout without a key.
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     batch = _check_qkv(q, k, v)
@@ -601,18 +700,22 @@ def attention(
     q_lengths = _check_lengths("q_lengths", q_lengths, batch)
     kv_lengths = _check_lengths("kv_lengths", kv_lengths, batch)
     rank = len(batch)
+    cap = _check_mods(score_mod, mask_mod, logits_soft_cap, q.dtype)
     vis = _masking.Visibility(
         n, s, bool(is_causal), _masking.canonical_window(local_window_size),
         mask=_check_pairwise("mask", mask, scores, floating=False),
         bias=_check_pairwise("bias", bias, scores, floating=True),
         q_lengths=_masking.lengths_at_rank(q_lengths, rank), kv_lengths=_masking.lengths_at_rank(kv_lengths, rank),
         **dict(zip(("q_segment_ids", "kv_segment_ids"), _masking.segments_at_rank(q_ids, kv_ids, rank))),
+        score_mod=score_mod, mask_mod=mask_mod, logits_soft_cap=cap, batch_shape=tuple(batch),
+        num_heads=q.shape[-3],
     )
     scale = _check_options(scale, dropout_rate, dropout_rng, deterministic, empty_rows, is_causal, q.shape[-1])
     dropout = dropout_rate > 0.0 and not deterministic
     path = resolve_implementation(q, k, v, implementation=implementation, return_weights=return_weights,
-                                  dropout=dropout, unfused=_kernel_cannot_express(vis, empty_rows))
-    _check_path(path, q, k, v, dropout, return_weights)
+                                  dropout=dropout, unfused=_kernel_cannot_express(vis, empty_rows),
+                                  cudnn_ok=_cudnn_refusal(vis) is None)
+    _check_path(path, q, k, v, dropout, return_weights, vis)
     if path.startswith("pallas_"):
         return _pallas(path, q, k, v, vis, scale=scale, q_ids=q_ids, kv_ids=kv_ids, q_lengths=q_lengths,
                        kv_lengths=kv_lengths, return_weights=return_weights, dropout_rate=dropout_rate,
@@ -646,12 +749,20 @@ def _pallas(path, q, k, v, vis, *, scale, q_ids, kv_ids, q_lengths, kv_lengths, 
     if empty_rows != "zero":
         raise ValueError(f"empty_rows={empty_rows!r} is not supported by implementation={path!r}; use 'xla' "
                          "or 'blockwise'")
+    for name in ("score_mod", "mask_mod"):
+        if getattr(vis, name) is not None:
+            raise ValueError(f"implementation={path!r} cannot express {name} (the kernel takes no functions of "
+                             "the scores); use 'xla' or 'blockwise'")
+    if path == "pallas_gpu" and vis.logits_soft_cap is not None:
+        raise ValueError("implementation='pallas_gpu' cannot express logits_soft_cap (the Triton kernel has no "
+                         "soft-cap); use 'xla', 'blockwise' or 'pallas_tpu'")
     window = None if vis.window is None else tuple(vis.window)
     return kernel(
         q, k, v, scale=scale, is_causal=vis.is_causal, local_window_size=window,
         q_segment_ids=q_ids, kv_segment_ids=kv_ids, q_lengths=q_lengths, kv_lengths=kv_lengths,
         mask=vis.mask, bias=vis.bias, return_weights=return_weights, dropout_rate=dropout_rate,
         deterministic=deterministic, interpret=_platform() != path[len("pallas_"):],
+        **({} if vis.logits_soft_cap is None else {"logits_soft_cap": vis.logits_soft_cap}),
     )
 
 
