@@ -7,8 +7,8 @@ accuracy and per-head attention entropy.
     python -m experiments.head_ablation                   # quick preset, about a minute on 2 CPU cores
     python -m experiments.head_ablation --preset full     # d_model=256, 3 seeds, 8-18 min on 2 CPU cores
     python -m experiments.head_ablation --heads 1 8 --seeds 2 --steps 3000 --d-model 128 --out DIR
-    python -m experiments.head_ablation --task lm                 # character LM, h = 1 … 16, 3 seeds (see below)
-    python -m experiments.head_ablation --task lm --preset standard   # d_model=128, T=128, 2400 steps (not yet timed)
+    python -m experiments.head_ablation --task lm --preset quick      # character LM, d_model=64, h = 1 … 16, 3 seeds, <= 15 min
+    python -m experiments.head_ablation --task lm --preset standard   # d_model=128, T=128, 800 steps: the results pages'
     python -m experiments.head_ablation --task lm --preset quick --head-dim 32   # the head-size control: heads of 32
     python -m experiments.head_ablation --task lm --text FILE     # your own UTF-8 corpus
     XLA_FLAGS=--xla_force_host_platform_device_count=4 \\
@@ -70,7 +70,8 @@ def _mesh_spec(text: str) -> dict[str, int]:
 def build_parser():
     p = common.parser(MODULE, "Train the delayed copy task (or, with --task lm, a character language model) at "
                               "several head counts (fixed d_model) and compare. On a 2-core CPU: --task lm --preset "
-                              "quick took 50 minutes for h = 1, 2, 4, 8 on a shared 2-core Xeon (docs/results/lm_heads.md).",
+                              "quick is sized for <= 15 minutes (all five head counts, 3 seeds), --task lm --preset "
+                              "standard took about an hour (docs/results/lm_heads.md).",
                       common.PRESETS, common.LM_PRESETS)
     p.add_argument("--task", choices=common.TASK_CHOICES, default="copy", help="what the models learn (default copy)")
     p.add_argument("--preset", choices=sorted(set(common.PRESETS) | set(common.LM_PRESETS)), default="quick",

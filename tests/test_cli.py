@@ -160,7 +160,7 @@ def test_help_lists_every_preset(outcomes):
             line = next(l for l in text.splitlines() if l.strip().startswith(name + " "))
             assert fragment in line and "the model reads T=" in line and "steps" in line, line
         lm = text.split("presets with --task lm:", 1)[1]
-        for name, fragment in (("quick", "d_model=128"), ("standard", "d_model=128"), ("full", "d_model=128"),
+        for name, fragment in (("quick", "d_model=64"), ("standard", "d_model=128"), ("full", "d_model=128"),
                                ("tiny", "d_model=8")):
             line = next(l for l in lm.splitlines() if l.strip().startswith(name + " "))
             assert fragment in line and "character LM" in line and "bpc" in line, line

@@ -85,3 +85,19 @@ def test_attention_maps_and_pruning_use_the_ablation_model(workdir):
     arms = pruned["induction_check"]["arms"]
     assert len(arms["top"]["heads"]) == 2 and set(arms["top"]["heads"]).isdisjoint(arms["bottom"]["heads"])
     assert all(arms[a]["second_copy_loss"] > 0 for a in ("none", "top", "bottom"))
+
+
+def test_standard_preset_is_the_configuration_lm_heads_reports():
+    """docs/results/lm_heads.md's numbers were measured under the name `quick`; the
+    preset was renamed, not changed, so its fingerprint (everything that decides the
+    batches a seed reads and the schedule) must stay the measured one."""
+    from experiments import common
+
+    fp = common.lm_standard().fingerprint()
+    model, train, task = fp["model"], fp["train"], fp["task"]
+    assert (model["d_model"], model["d_ff"], model["num_layers"], task["seq_len"]) == (128, 512, 2, 128)
+    assert (train["batch_size"], train["num_steps"], train["learning_rate"], train["warmup_steps"],
+            train["steps_per_call"], train["eval_every"], train["eval_size"]) == (32, 800, 6e-3, 50, 50, 100, 64)
+    assert (fp["seed"], fp["num_seeds"], task["track_induction"], "learning_rates" in fp) == (0, 3, True, False)
+    quick = common.lm_quick()
+    assert quick.fingerprint() != fp and quick.heads == common.lm_standard().heads == (1, 2, 4, 8, 16)
