@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
+from jax.experimental import multihost_utils
 
 from jax_mha import parallel
 from jax_mha.functional import attention_entropy
@@ -333,7 +334,10 @@ def _programs(model, optimizer, task, cfg: TrainConfig, num_seeds: int, use_vmap
             init=lambda keys: place(init(keys)),
             chunk=jit_train_chunk(model, optimizer, task, cfg.batch_size, cfg.steps_per_call,
                                   num_seeds=num_seeds, mesh=mesh),
-            evaluate=jax.jit(jax.vmap(eval_one)), place=place)
+            # Replicated metrics: every process can read them (a head-sharded output
+            # spanning several processes cannot be fetched by any one of them).
+            evaluate=jax.jit(jax.vmap(eval_one), out_shardings=None if mesh is None else parallel.replicated(mesh)),
+            place=place)
     if mesh is not None:
         raise ValueError("a mesh needs use_vmap=True: the sharded program is the vmapped one")
     one_chunk = jit_train_chunk(model, optimizer, task, cfg.batch_size, cfg.steps_per_call)
@@ -343,6 +347,15 @@ def _programs(model, optimizer, task, cfg: TrainConfig, num_seeds: int, use_vmap
         chunk=lambda states, keys: _stack([one_chunk(s, k) for s, k in zip(_unstack(states, num_seeds), keys)]),
         evaluate=lambda params: _stack([one_eval(p) for p in _unstack(params, num_seeds)]),
         place=lambda s: s)
+
+
+def _gathered(state):
+    """`state` as host arrays every process holds whole. Under several processes a
+    sharded leaf spans devices no one process can read; `process_allgather` is a
+    collective, so every process must call this at the same point."""
+    if jax.process_count() == 1:
+        return state
+    return multihost_utils.process_allgather(state, tiled=True)
 
 
 def _fresh_history(fingerprint: dict) -> dict:
@@ -441,6 +454,11 @@ def train_seeds(
 
     With a `mesh` (`jax_mha.parallel.make_mesh`), the vmapped program runs sharded:
     heads across its "model" axis, each batch across "data"; the results are the same.
+    Under `jax.distributed` (several processes, `jax_mha.lab.distributed`) the mesh may
+    span every process: each builds the same batches from the same keys inside the
+    program, every process calls `train_seeds` alike, and each gets back the whole
+    final state as host arrays; a `state_file` is written by process 0 (on a
+    filesystem all processes share, since each resumes from it).
 
     With a `state_file`, the state (parameters, optimizer state, step) and everything
     measured so far are saved there at every evaluation, and a run that finds the
@@ -475,10 +493,15 @@ def train_seeds(
             report["eval"] = _evaluate(programs, state, history, cfg, task)
             history["wall_seconds"] = wall_before + time.perf_counter() - start
             if state_file is not None:
-                save_train_state(state_file, state, history)
+                # Several processes: process 0 writes the whole state (gathered by
+                # all); the others resume from the same path, so it must be on a
+                # filesystem they share.
+                host_state = _gathered(state)
+                if jax.process_index() == 0:
+                    save_train_state(state_file, host_state, history)
         if history["stop_reason"] is not None or history["step"] >= cfg.num_steps:
             report["stopped"] = history["stop_reason"] or "step limit"
         if callback is not None:
             callback(report)
     history["wall_seconds"] = wall_before + time.perf_counter() - start
-    return _result(seeds, state, history, cfg, task, resumed_from)
+    return _result(seeds, _gathered(state), history, cfg, task, resumed_from)
