@@ -99,3 +99,12 @@ def initialize_from(coordinator: str | None = None, num_processes: int | None = 
 def is_writer() -> bool:
     """Whether this process writes logs, results and figures: process 0 only."""
     return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Waits until every process reaches `barrier(name)` (nothing to wait for alone):
+    after process 0 changes files the others are about to read."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
