@@ -117,6 +117,25 @@ def test_settings_from_flags_env_and_clusters():
     assert settings(process_id=0, env=slurm) == {"coordinator_address": None, "num_processes": None, "process_id": 0}
 
 
+@pytest.mark.parametrize("argv, env, message", [
+    (["--coordinator", "localhost"], {}, "argument --coordinator: coordinator address 'localhost' is not HOST:PORT"),
+    (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"], {}, "process_id=2 must be < num_processes=2"),
+    (["--process-id", "-1"], {}, "argument --process-id: -1 is not an integer >= 0"),
+    (["--num-processes", "0"], {}, "argument --num-processes: 0 is not an integer >= 1"),
+    ([], {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "3"},
+     "process_id=3 must be < num_processes=2"),
+])
+def test_study_flags_refuse_bad_values(argv, env, message, monkeypatch, capsys):
+    from experiments import head_ablation
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_:
+        head_ablation.parse(["--preset", "tiny", *argv])
+    assert exit_.value.code == 2
+    assert f"error: {message}" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------
 # The subprocess.
 # ---------------------------------------------------------------------------------
