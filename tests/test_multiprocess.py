@@ -17,6 +17,8 @@ import os
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,20 +40,31 @@ def _start(num_processes: int, process_id: int, port: int, out: str, devices: in
     for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(var, None)
     args = [sys.executable, os.path.abspath(__file__), str(port), str(num_processes), str(process_id), out]
-    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Output to a file, not a pipe: nobody reads a pipe while waiting, and a full one would block.
+    with open(f"{out}.{process_id}.log", "w") as log:
+        return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
 def _finish(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
-    results = []
+    """Waits for every process; if one fails, the others (blocked in a collective
+    with it) are killed at once rather than at the timeout.
+
+    Raises:
+      subprocess.TimeoutExpired: after TIMEOUT seconds, every process killed.
+    """
+    deadline = time.monotonic() + TIMEOUT
     try:
-        for p in procs:
-            out, _ = p.communicate(timeout=TIMEOUT)
-            results.append((p.returncode, out))
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        hung = [p for p in procs if p.poll() is None]
+        for p in hung:
+            p.kill()
+    results = [(p.wait(), Path(f"{p.args[-1]}.{p.args[-2]}.log").read_text()) for p in procs]
+    if hung and time.monotonic() > deadline:
+        raise subprocess.TimeoutExpired([p.args for p in hung], TIMEOUT)
     return results
 
 
