@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from jax_mha.lab import distributed
 from jax_mha.lab.checkpoint import load_checkpoint, save_checkpoint, saved_train_step, write_atomic
 from jax_mha.lab.data import CopyTaskConfig, Task, task_from_dict, task_to_dict
 from jax_mha.lab.host_memory import reuse_freed_memory
@@ -190,6 +191,48 @@ def parser(module: str, description: str, presets: dict[str, Callable] | None = 
             f"  {name:<6} {describe_preset(make())}" for name, make in lm_presets.items())
     return argparse.ArgumentParser(prog=f"python -m {module}", description=description, epilog=epilog,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def coordinator_address(text: str) -> str:
+    """An argparse type: `HOST:PORT` (`jax_mha.lab.distributed.parse_address`)."""
+    try:
+        return distributed.parse_address(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_distributed_args(p: argparse.ArgumentParser) -> None:
+    """`--coordinator`, `--num-processes`, `--process-id`: one process of several
+    (`jax.distributed`; docs/scaling.md). Without them the environment decides
+    (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a SLURM / Open MPI
+    job); with none of those either, the run is a plain single process."""
+    g = p.add_argument_group("several processes (docs/scaling.md)")
+    g.add_argument("--coordinator", type=coordinator_address, metavar="HOST:PORT",
+                   help="process 0's address, the same for every process (default $JAX_COORDINATOR_ADDRESS)")
+    g.add_argument("--num-processes", type=positive_int, metavar="P",
+                   help="how many processes train together (default $JAX_NUM_PROCESSES)")
+    g.add_argument("--process-id", type=nonnegative_int, metavar="I",
+                   help="this process, 0 … P-1; process 0 writes every file (default $JAX_PROCESS_ID)")
+
+
+def start_distributed(p: argparse.ArgumentParser, args: argparse.Namespace) -> bool:
+    """After parsing and before any JAX computation: joins the other processes when
+    `add_distributed_args`' options or the environment ask for it (a bad value ends in
+    the parser's `error:` and exit 2). On every process but 0 the standard output goes
+    to /dev/null, so one process prints the log; errors still reach stderr.
+
+    Returns whether this run spans several processes.
+    """
+    started = build_or_exit(p, lambda: distributed.initialize_from(
+        getattr(args, "coordinator", None), getattr(args, "num_processes", None), getattr(args, "process_id", None)))
+    if started and not distributed.is_writer():
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+    return bool(started)
+
+
+def is_writer() -> bool:
+    """Whether this process writes files: process 0 (every single-process run)."""
+    return distributed.is_writer()
 
 
 def build_or_exit(p: argparse.ArgumentParser, build: Callable[[], Any]) -> Any:
@@ -413,7 +456,9 @@ def to_jsonable(x: Any) -> Any:
 
 
 def write_json(path: str | os.PathLike, data: Any) -> None:
-    """Atomic, indented JSON."""
+    """Atomic, indented JSON; written by process 0 only (`is_writer`)."""
+    if not is_writer():
+        return
     write_atomic(path, json.dumps(to_jsonable(data), indent=2) + "\n")
 
 
@@ -495,10 +540,13 @@ def run_metadata() -> dict[str, Any]:
 
 
 def save_figure(fig, path: str | os.PathLike) -> None:
-    """Saves a matplotlib figure as PNG atomically and closes it."""
+    """Saves a matplotlib figure as PNG atomically (process 0 only) and closes it."""
     import io
 
     plt = require("matplotlib.pyplot")
+    if not is_writer():
+        plt.close(fig)
+        return
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -520,7 +568,7 @@ class TrainingBar:
     def __init__(self, total: int, desc: str, disable: bool, log: MetricsLog | None = None):
         tqdm = require("tqdm.auto").tqdm
         self.desc, self.closed, self.log = desc, False, log
-        self.bar = tqdm(total=total, desc=desc, unit="step", disable=disable, leave=True)
+        self.bar = tqdm(total=total, desc=desc, unit="step", disable=disable or not is_writer(), leave=True)
 
     def __call__(self, report: dict) -> None:
         if self.log is not None:
@@ -568,13 +616,13 @@ class MetricsLog:
                  tensorboard: str | os.PathLike | None = None):
         self.path, self.seeds, self.tags = Path(path), [int(s) for s in seeds], dict(tags or {})
         self.writers: dict[int, Any] = {}
-        if tensorboard is not None:
+        if tensorboard is not None and is_writer():
             writer = require("tensorboardX").SummaryWriter
             run = "".join(f"{k}{v}_" for k, v in self.tags.items())
             self.writers = {s: writer(logdir=str(Path(tensorboard) / f"{run}seed{s}")) for s in self.seeds}
 
     def __call__(self, report: dict) -> None:
-        if "eval" not in report:
+        if "eval" not in report or not is_writer():
             return
         evals = {k: to_jsonable(v) for k, v in report["eval"].items()}
         line = {**self.tags, "step": int(report["step"]), "time": time.time(),
@@ -797,9 +845,10 @@ def train_model(spec: ModelSpec, out: Path, progress: bool) -> StudyModel:
     finally:
         bar.close()
     params = jax.tree.map(lambda x: x[0], result.state.params)
-    save_checkpoint(path, params, spec.model, {"task": task_to_dict(spec.ablation.task), "heads": spec.heads,
-                                                "seed": spec.seed, "steps_run": result.steps_run})
-    shutil.rmtree(state_dir, ignore_errors=True)
+    if is_writer():
+        save_checkpoint(path, params, spec.model, {"task": task_to_dict(spec.ablation.task), "heads": spec.heads,
+                                                    "seed": spec.seed, "steps_run": result.steps_run})
+        shutil.rmtree(state_dir, ignore_errors=True)
     return StudyModel(params, spec.model, spec.ablation.task,
                       {"kind": "trained", "path": str(path), "why": "no checkpoint found",
                        "steps_run": result.steps_run, "wall_seconds": result.wall_seconds,

@@ -45,7 +45,7 @@ import numpy as np
 from experiments import common, plotting
 from experiments.common import AblationConfig, Interrupted, save_figure, write_atomic, write_json
 from jax_mha import parallel
-from jax_mha.lab import analysis, head_types, stats
+from jax_mha.lab import analysis, distributed, head_types, stats
 from jax_mha.lab.checkpoint import load_checkpoint, save_checkpoint, saved_train_step
 from jax_mha.lab.data import chance_accuracy, task_from_dict, task_to_dict
 from jax_mha.lab.models import Decoder, generate
@@ -104,6 +104,7 @@ def build_parser():
                    "'sequence', ring attention: T a multiple of P², 16 for sequence=4); on CPU set "
                    "XLA_FLAGS=--xla_force_host_platform_device_count=4")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    common.add_distributed_args(p)
     p.add_argument("--tensorboard", type=Path, metavar="DIR", help="also write every evaluation's metrics as "
                    "TensorBoard events under DIR, one run per head count and seed (needs the tensorboard extra)")
     return p
@@ -165,6 +166,7 @@ def parse(argv):
     """`(args, config, mesh or None)`; every bad value ends in `error:` and exit 2."""
     p = build_parser()
     args = p.parse_args(argv)
+    common.start_distributed(p, args)  # before the mesh: jax.devices() then lists every process's devices
     cfg = common.build_or_exit(p, lambda: build_config(args))
     mesh = common.build_or_exit(p, lambda: _make_mesh(args, cfg)) if args.mesh else None
     if args.out is None:
@@ -307,7 +309,7 @@ def start_results(path: Path, cfg: AblationConfig, force: bool) -> dict:
     """The finished part of an earlier run with the same configuration, or a fresh
     record. Exits with one line if the file is damaged or of another configuration."""
     fresh = {"config": cfg.fingerprint(), "metadata": common.run_metadata(), "heads": {}}
-    if force:
+    if force and common.is_writer():
         for stale in path.parent.glob("checkpoints/h*_state"):
             shutil.rmtree(stale)
         (path.parent / "metrics.jsonl").unlink(missing_ok=True)  # the evaluations of the run thrown away
@@ -342,7 +344,7 @@ def train_head_count(h: int, cfg: AblationConfig, args, mesh, status: dict) -> d
         raise SystemExit(f"error: {e}; or rerun with --force") from None
     finally:
         bar.close()
-    for i, seed in enumerate(result.seeds):
+    for i, seed in enumerate(result.seeds if common.is_writer() else ()):
         params = jax.tree.map(lambda x: x[i], result.state.params)
         save_checkpoint(args.out / "checkpoints" / f"h{h}_seed{seed}.msgpack", params, model,
                         {"task": task_to_dict(cfg.task), "heads": h, "seed": seed, "steps_run": result.steps_run})
@@ -380,6 +382,7 @@ def main(argv=None) -> dict:
     out: Path = args.out
     results_path = out / "results.json"
     results = start_results(results_path, cfg, args.force)
+    distributed.barrier("head_ablation: results read")  # --force's deletions done before any process resumes
     print(f"{cfg.task.name} task: {common.describe_preset(cfg)}; writing to {out}/", flush=True)
 
     lm = cfg.task.name == "lm"
@@ -396,12 +399,14 @@ def main(argv=None) -> dict:
         for h in todo:
             results["heads"][str(h)] = train_head_count(h, cfg, args, mesh, status)
             save()
-            shutil.rmtree(status["state_dir"], ignore_errors=True)  # all it held is in results.json and the checkpoints now
+            if common.is_writer():
+                shutil.rmtree(status["state_dir"], ignore_errors=True)
+                # all it held is in results.json and the checkpoints now
             status.update(heads=None)
         if args.measure_vmap_speedup:
             results["vmap_speedup"] = measure_vmap_speedup(cfg, max(cfg.heads))
             save()
-        if lm and results["heads"]:
+        if lm and results["heads"] and common.is_writer():  # analyses on one device: process 0 alone
             finish_lm(results, cfg, out, save)
     except KeyboardInterrupt:
         raise Interrupted(describe_saved(results, results_path, status)) from None

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
+from jax.experimental import multihost_utils
 
 from jax_mha import parallel
 from jax_mha.functional import attention_entropy
@@ -351,7 +352,10 @@ def _programs(model, optimizer, task, cfg: TrainConfig, num_seeds: int, use_vmap
             init=lambda keys: place(init(keys)),
             chunk=jit_train_chunk(model, optimizer, task, cfg.batch_size, cfg.steps_per_call,
                                   num_seeds=num_seeds, mesh=mesh),
-            evaluate=jax.jit(jax.vmap(eval_one)), place=place)
+            # Replicated metrics: every process can read them (a head-sharded output
+            # spanning several processes cannot be fetched by any one of them).
+            evaluate=jax.jit(jax.vmap(eval_one), out_shardings=None if mesh is None else parallel.replicated(mesh)),
+            place=place)
     if mesh is not None:
         raise ValueError("a mesh needs use_vmap=True: the sharded program is the vmapped one")
     one_chunk = jit_train_chunk(model, optimizer, task, cfg.batch_size, cfg.steps_per_call)
@@ -361,6 +365,15 @@ def _programs(model, optimizer, task, cfg: TrainConfig, num_seeds: int, use_vmap
         chunk=lambda states, keys: _stack([one_chunk(s, k) for s, k in zip(_unstack(states, num_seeds), keys)]),
         evaluate=lambda params: _stack([one_eval(p) for p in _unstack(params, num_seeds)]),
         place=lambda s: s)
+
+
+def _gathered(state):
+    """`state` as host arrays every process holds whole. Under several processes a
+    sharded leaf spans devices no one process can read; `process_allgather` is a
+    collective, so every process must call this at the same point."""
+    if jax.process_count() == 1:
+        return state
+    return multihost_utils.process_allgather(state, tiled=True)
 
 
 def _fresh_history(fingerprint: dict) -> dict:
@@ -480,6 +493,12 @@ def train_seeds(
 
     With a `mesh` (`jax_mha.parallel.make_mesh`), the vmapped program runs sharded:
     heads across its "model" axis, each batch across "data"; the results are the same.
+    Under `jax.distributed` (several processes, `jax_mha.lab.distributed`) the mesh may
+    span every process: each builds the same batches from the same keys inside the
+    program, every process calls `train_seeds` alike, and each gets back the whole
+    final state as host arrays; with a `state_dir`, every process saves its own
+    shards there through orbax (on a filesystem all processes share, since each
+    resumes from it).
 
     With a `state_dir`, the state (parameters, optimizer state, step) and everything
     measured so far are saved there at every evaluation through orbax
@@ -530,4 +549,4 @@ def train_seeds(
         if manager is not None:
             checkpoint.close_train_state(manager)
     history["wall_seconds"] = wall_before + time.perf_counter() - start
-    return _result(seeds, state, history, cfg, task, resumed_from)
+    return _result(seeds, _gathered(state), history, cfg, task, resumed_from)
