@@ -199,7 +199,7 @@ def _worker(port: int, num_processes: int, process_id: int, out: str) -> None:
         grid = mesh.devices.reshape(2, 2)
         crosses = [axis for axis, line in (("data", grid[:, 0]), ("model", grid[0, :]))
                    if len({d.process_index for d in line}) > 1]
-        result = train_seeds(model_cfg, task, cfg, [3], mesh=mesh, state_file=f"{out}.{name}.state")
+        result = train_seeds(model_cfg, task, cfg, [3], mesh=mesh, state_dir=f"{out}.{name}.state")
         params = flat(jax.tree.map(lambda x: x[0], result.state.params))
         if is_writer():
             with open(f"{out}.{name}.json", "w") as f:
