@@ -481,7 +481,7 @@ def lm_summary_table(results: dict) -> str:
     """Markdown: validation bpc (95 % t interval), train-validation gap, characters seen,
     head-type counts per head count, beside the n-gram baselines of the same split."""
     cfg, m = results["config"], results["config"]["model"]
-    width = f"head size {m['head_dim']} (attention h x {m['head_dim']})" if m.get("head_dim") else f"d_model={m['d_model']} shared by the heads"
+    width = f"head size {m['head_dim']} (attention h x {m['head_dim']})" if m.get("head_dim") else "the width shared by the heads"
     lines = [f"Character LM, T={cfg['task']['seq_len']}, d_model={m['d_model']}, {width}, {m['num_layers']} layers, "
              f"{cfg['num_seeds']} seeds from {cfg['seed']}, batch {cfg['train']['batch_size']}, "
              f"{cfg['train']['num_steps']} steps. Mean ± sample std (ddof=1) over seeds [95 % t interval]; bpc on "
