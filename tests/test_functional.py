@@ -498,10 +498,11 @@ def test_strict_dtype_promotion_works_on_every_path(rng, dtype, implementation, 
               q_segment_ids=ids, kv_segment_ids=kv_ids)
     path = dict(implementation="xla", return_weights=True) if implementation == "weights" else dict(
         implementation=implementation)
+    # Jitted (the promotion mode is read while tracing): op-by-op it took 8-12 s a case.
     with jax.numpy_dtype_promotion("strict"):
-        result = attention(q, k, v, **kw, **path)
-        grads = jax.grad(lambda q, k, v, b: jnp.sum(attention(q, k, v, **{**kw, "bias": b}, implementation=path[
-            "implementation"]).astype(jnp.float32)), argnums=(0, 1, 2, 3))(q, k, v, bias)
+        result = jax.jit(lambda q, k, v: attention(q, k, v, **kw, **path))(q, k, v)
+        grads = jax.jit(jax.grad(lambda q, k, v, b: jnp.sum(attention(q, k, v, **{**kw, "bias": b}, implementation=path[
+            "implementation"]).astype(jnp.float32)), argnums=(0, 1, 2, 3)))(q, k, v, bias)
     out = result[0] if implementation == "weights" else result
     assert out.dtype == jnp.dtype(dtype)
     assert all(g.dtype == jnp.dtype(dtype) and bool(jnp.all(jnp.isfinite(g))) for g in grads)

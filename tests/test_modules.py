@@ -811,12 +811,13 @@ def test_half_precision_modules_run_under_strict_promotion(rng, dtype, promotion
     x = normal(rng, (B, N, D_MODEL), dtype)
     mha = MultiHeadAttention(num_heads=H, normalize_qk=True, dtype=dtype)
     params = init_params(mha, x)
-    y = mha.apply(params, x, is_causal=True)
+    # Jitted where it runs the model (the promotion mode is read while tracing).
+    y = jax.jit(lambda p, x: mha.apply(p, x, is_causal=True))(params, x)
     assert y.dtype == dtype
-    grads = jax.grad(lambda p: jnp.sum(mha.apply(p, x).astype(jnp.float32)))(params)
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(mha.apply(p, x).astype(jnp.float32))))(params)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))
     block = TransformerBlock(num_heads=H, d_ff=7, dtype=dtype)
-    assert block.apply(init_params(block, x), x).dtype == dtype
+    assert jax.jit(block.apply)(init_params(block, x), x).dtype == dtype
     decoder = MultiHeadAttention(num_heads=H, decode=True, dtype=dtype)
     dparams, cache = decode_variables(decoder, x)
     out, _ = decode(decoder, dparams, cache, x, [2, 3])

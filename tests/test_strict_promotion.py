@@ -1,4 +1,5 @@
-"""The NNX modules and every attention path under `jax_numpy_dtype_promotion="strict"`.
+"""The NNX modules and the blocks under `jax_numpy_dtype_promotion="strict"` (every
+attention path is checked under it against float64 in tests/test_functional.py).
 
 Strict promotion (equinox's own test suite runs in it) turns every implicit mixing of
 dtypes, e.g. float16 activations times float32 scales, into an error. The NNX module
@@ -19,7 +20,7 @@ from flax import nnx
 # of its tests under strict promotion.
 from test_nnx import *  # noqa: E402,F401,F403
 
-from jax_mha import MultiHeadAttention, TransformerBlock, attention
+from jax_mha import MultiHeadAttention, TransformerBlock
 from jax_mha import nnx as jax_mha_nnx
 
 
@@ -30,28 +31,6 @@ def strict_promotion():
 
 
 HALF = [jnp.float16, jnp.bfloat16, jnp.float32]
-PATHS = ["xla", "blockwise"]
-
-
-@pytest.mark.parametrize("dtype", HALF, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("path", PATHS)
-def test_attention_paths_in_strict_mode_match_standard(dtype, path):
-    rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.standard_normal((2, 6, 5, 4)), dtype)  # (B, H, N, D)
-    k, v = (jnp.asarray(rng.standard_normal((2, 3, 7, 4)), dtype) for _ in range(2))  # GQA, S = 7
-    bias = jnp.asarray(rng.standard_normal((5, 7)), dtype)
-
-    def loss(q, k, v):
-        out = attention(q, k, v, bias=bias, is_causal=True, kv_lengths=jnp.array([7, 3]), implementation=path)
-        return out.astype(jnp.float32).sum(), out
-
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    with jax.numpy_dtype_promotion("standard"):
-        (_, want), want_grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
-    for g, w in zip(grads, want_grads):
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=lambda d: jnp.dtype(d).name)
@@ -62,12 +41,13 @@ def test_blocks_in_strict_mode_match_standard(dtype, pre_norm):
     options = dict(dtype=dtype, pre_norm=pre_norm, normalize_qk=True, rope=True)
     linen = TransformerBlock(num_heads=3, d_ff=10, **options)
     params = linen.init(jax.random.key(0), x)
-    y = linen.apply(params, x, is_causal=True)
     block = jax_mha_nnx.TransformerBlock(12, 3, 10, **options, rngs=nnx.Rngs(0))
-    z = block(x, is_causal=True)
+    # Jitted (the promotion mode is read while tracing, so each mode compiles its own).
+    run = lambda: (jax.jit(lambda p, x: linen.apply(p, x, is_causal=True))(params, x),
+                   nnx.jit(lambda m, x: m(x, is_causal=True))(block, x))
+    y, z = run()
     with jax.numpy_dtype_promotion("standard"):
-        y_standard = linen.apply(params, x, is_causal=True)
-        z_standard = block(x, is_causal=True)
+        y_standard, z_standard = run()
     assert y.dtype == z.dtype == dtype
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_standard, np.float32))
     np.testing.assert_array_equal(np.asarray(z, np.float32), np.asarray(z_standard, np.float32))
