@@ -26,6 +26,8 @@ import pytest
 SKIP_EXIT = 77  # the worker's "this platform cannot" status
 TIMEOUT = 120  # seconds per subprocess; a hung collective fails the test instead of the suite
 
+ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -37,6 +39,7 @@ def _start(num_processes: int, process_id: int, port: int, out: str, devices: in
     # Optimisation level 0: compiling is most of each process's time; both runs share it.
     flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT_DIR, env.get("PYTHONPATH")]))  # a checkout not installed
     for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(var, None)
     args = [sys.executable, os.path.abspath(__file__), str(port), str(num_processes), str(process_id), out]

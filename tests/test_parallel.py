@@ -29,6 +29,8 @@ D_MODEL, HEADS, D_FF, BATCH, LENGTH = 20, 4, 14, 6, 3  # T = 2 * LENGTH + 2 = 8
 # In-process tests: no devices needed.
 # ---------------------------------------------------------------------------------
 
+ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def test_parse_mesh_spec():
     from jax_mha.parallel import parse_mesh_spec
@@ -135,6 +137,7 @@ def test_divisibility_checks_name_both_numbers():
 @pytest.fixture(scope="module")
 def multi_device():
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT_DIR, env.get("PYTHONPATH")]))  # a checkout not installed
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=300,
     )

@@ -27,6 +27,8 @@ CASES = {
     "causal_kv_lengths": dict(is_causal=True, kv_lengths=[30, 11], scale=0.3),
 }
 
+ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def _run_cases(num_devices: int) -> dict:
     import jax
@@ -85,6 +87,7 @@ def _run_cases(num_devices: int) -> dict:
 @pytest.fixture(scope="module", params=[4, 8])
 def ring_results(request):
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={request.param}", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT_DIR, env.get("PYTHONPATH")]))  # a checkout not installed
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(request.param)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -156,6 +159,7 @@ def test_length_not_a_multiple_of_the_ring_is_refused():
         "        print(e)\n"
     )
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT_DIR, env.get("PYTHONPATH")]))  # a checkout not installed
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
