@@ -557,7 +557,9 @@ def induction_markdown(results: dict) -> str:
 def plot_lm_results(results: dict, out: Path) -> None:
     """bpc_curves.png and bpc_vs_heads.png."""
     c, m = results["config"], results["config"]["model"]
-    machine = (f"char LM, d_model={m['d_model']}, {m['num_layers']} layers, T={c['task']['seq_len']}, "
+    fixed = f"head size {m['head_dim']} fixed" if m.get("head_dim") else "d_model fixed"
+    width = f"d_model={m['d_model']}" + (f", head size {m['head_dim']}" if m.get("head_dim") else "")
+    machine = (f"char LM, {width}, {m['num_layers']} layers, T={c['task']['seq_len']}, "
                f"{c['num_seeds']} seeds, {c['train']['num_steps']} steps; {results['metadata']['cpu']}, "
                f"{results['metadata']['cpu_count']} cores")
     curves = {int(k): {"step": r["runs"][0]["eval_curve"]["step"], "head_dim": r["head_dim"],
@@ -566,7 +568,7 @@ def plot_lm_results(results: dict, out: Path) -> None:
                                                   f"{results['config']['train']['eval_size']} validation windows; {machine}"),
                 out / "bpc_curves.png")
     final = {int(k): [run["final_bpc"] for run in r["runs"]] for k, r in results["heads"].items()}
-    save_figure(plotting.bpc_vs_heads(final, title=f"Final validation bpc (whole split) vs heads\n{machine}"),
+    save_figure(plotting.bpc_vs_heads(final, title=f"Final validation bpc (whole split) vs heads\n{machine}", fixed=fixed),
                 out / "bpc_vs_heads.png")
     first = next(iter(results["heads"].values()))["runs"][0]["eval_curve"]
     if "icl_score" in first:

@@ -410,12 +410,14 @@ def bpc_curves(curves: Mapping[int, Mapping[str, np.ndarray]], *, title: str):
     return fig
 
 
-def bpc_vs_heads(stats: Mapping[int, Sequence[float]], *, title: str):
+def bpc_vs_heads(stats: Mapping[int, Sequence[float]], *, title: str, fixed: str = "d_model fixed"):
     """Final validation bpc against the head count: every seed as a dot, mean ± std.
 
     Args:
       stats: `heads -> per-seed final bpc`.
       title: the axes title.
+      fixed: what stays the same across head counts, for the x label ("d_model fixed",
+        or "head size 32 fixed" for a `--head-dim` sweep).
 
     Returns:
       the figure.
@@ -432,7 +434,7 @@ def bpc_vs_heads(stats: Mapping[int, Sequence[float]], *, title: str):
     half = [t_interval(v).half_width if v.size > 1 else 0.0 for v in values]
     ax.errorbar(heads, [v.mean() for v in values], yerr=half, marker="o", capsize=5,
                 color="C0", label="mean, 95 % t interval over seeds", zorder=2)
-    ax.set(xscale="log", xlabel="number of heads h (d_model fixed)", ylabel="validation bits per character (lower is better)",
+    ax.set(xscale="log", xlabel=f"number of heads h ({fixed})", ylabel="validation bits per character (lower is better)",
            title=title)
     ax.set_xticks(heads, [str(h) for h in heads])
     ax.grid(alpha=0.3)
