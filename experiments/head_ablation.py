@@ -71,7 +71,7 @@ def build_parser():
     p = common.parser(MODULE, "Train the delayed copy task (or, with --task lm, a character language model) at "
                               "several head counts (fixed d_model) and compare. On a 2-core CPU: --task lm --preset "
                               "quick is sized for <= 15 minutes (all five head counts, 3 seeds), --task lm --preset "
-                              "standard took about an hour (docs/results/lm_heads.md).",
+                              "standard took 32.5 minutes (docs/results/lm_heads.md).",
                       common.PRESETS, common.LM_PRESETS)
     p.add_argument("--task", choices=common.TASK_CHOICES, default="copy", help="what the models learn (default copy)")
     p.add_argument("--preset", choices=sorted(set(common.PRESETS) | set(common.LM_PRESETS)), default="quick",
