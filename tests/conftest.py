@@ -114,10 +114,12 @@ def np_allowed(shape, *, is_causal=False, window=None, q_lengths=None, kv_length
     return ok
 
 
-def jax_reference(q, k, v, allowed=None, bias=None, scale=None):
+def jax_reference(q, k, v, allowed=None, bias=None, scale=None, cap=None):
     """Dense attention in plain `jax.numpy`, written apart from `jax_mha`, for comparing
-    every JAX transformation against autodiff (run it in float64). k/v are repeated per
-    query head (GQA); masked logits are -inf; rows with nothing allowed give 0."""
+    every JAX transformation against autodiff (run it in float64): scaled logits, + bias,
+    `cap * tanh(logits / cap)` when `cap` is given (Gemma 2's order), mask, softmax. k/v
+    are repeated per query head (GQA); masked logits are -inf; rows with nothing allowed
+    give 0."""
     h, kv_heads, d = q.shape[-3], k.shape[-3], q.shape[-1]
     k = jnp.repeat(k, h // kv_heads, axis=-3)
     v = jnp.repeat(v, h // kv_heads, axis=-3)
@@ -125,6 +127,8 @@ def jax_reference(q, k, v, allowed=None, bias=None, scale=None):
     logits = q @ jnp.swapaxes(k, -1, -2) * scale
     if bias is not None:
         logits = logits + bias
+    if cap is not None:
+        logits = cap * jnp.tanh(logits / cap)
     allowed = jnp.ones(logits.shape, bool) if allowed is None else jnp.broadcast_to(allowed, logits.shape)
     logits = jnp.where(allowed, logits, -jnp.inf)
     top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))

@@ -1,7 +1,7 @@
 """Score and mask functions (`score_mod`, `mask_mod`) and `logits_soft_cap`, on every path.
 
 Each mod is checked against a float64 reference written apart from the library
-(`dense`: plain jax.numpy, the same pattern as a dense bias or mask, the soft-cap as a
+(`conftest.jax_reference`: plain jax.numpy, the same pattern as a dense bias or mask, the soft-cap as a
 hand-written tanh) in value and in the gradients of q, k, v and of the mod's own
 parameters (ALiBi slopes, a T5 relative-bias table). Axes have distinct prime sizes.
 """
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import x64
+from conftest import jax_reference, x64
 
 from jax_mha import attention
 from jax_mha._flash import visited_blocks
@@ -35,24 +35,6 @@ def run(path, q, k, v, **kw):
     if path == "blockwise":
         kw = dict(query_block_size=4, key_block_size=8) | kw
     return attention(q, k, v, implementation=path, **kw)
-
-
-def dense(q, k, v, allowed=None, bias=None, cap=None):
-    """float64-friendly plain attention: logits, + bias, soft-cap, mask, softmax;
-    rows with nothing allowed give 0. k/v repeated per query head (GQA)."""
-    g = q.shape[-3] // k.shape[-3]
-    k, v = jnp.repeat(k, g, axis=-3), jnp.repeat(v, g, axis=-3)
-    logits = q @ jnp.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
-    if bias is not None:
-        logits = logits + bias
-    if cap is not None:
-        logits = cap * jnp.tanh(logits / cap)
-    allowed = jnp.ones(logits.shape, bool) if allowed is None else jnp.broadcast_to(allowed, logits.shape)
-    logits = jnp.where(allowed, logits, -jnp.inf)
-    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    e = jnp.where(allowed, jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
-    total = jnp.sum(e, axis=-1, keepdims=True)
-    return (e / jnp.where(total > 0, total, 1.0)) @ v
 
 
 def rel(n=N, s=S):
@@ -111,7 +93,7 @@ def test_mod_matches_dense_formulation_value_and_gradients(rng, path, name):
     with x64():
         q, k, v, p = case_inputs(rng, name, np.float64)
         loss = lambda out: jnp.sum(jnp.sin(out))
-        want = jax.value_and_grad(lambda q, k, v, p: loss(dense(q, k, v, **same_dense(p))), argnums=(0, 1, 2, 3))(
+        want = jax.value_and_grad(lambda q, k, v, p: loss(jax_reference(q, k, v, **same_dense(p))), argnums=(0, 1, 2, 3))(
             q, k, v, p)
     q, k, v, p = (x.astype(jnp.float32) for x in (q, k, v, p))
     got = jax.jit(jax.value_and_grad(lambda q, k, v, p: loss(run(path, q, k, v, **mod(p))), argnums=(0, 1, 2, 3)))(
@@ -170,7 +152,7 @@ def test_mask_mod_emptying_rows_follows_empty_rows(rng, path, empty_rows):
     f = lambda q, k, v: run(path, q, k, v, mask_mod=mod, empty_rows=empty_rows)
     got, grads = jax.jit(lambda q, k, v: (f(q, k, v), jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))(
         q, k, v)))(q, k, v)
-    want = dense(q, k, v, allowed=jnp.asarray(allowed))
+    want = jax_reference(q, k, v, allowed=jnp.asarray(allowed))
     if empty_rows == "uniform":
         mean = jnp.repeat(jnp.mean(v, axis=-2, keepdims=True), H // K, axis=-3)
         want = jnp.where(jnp.asarray(allowed.any(-1))[:, None], want, mean)
@@ -185,11 +167,11 @@ def test_vmap_and_jvp_through_a_score_mod(rng, path):
     q, k, v, slopes = case_inputs(rng, "alibi")
     many = jnp.stack([slopes, 2 * slopes])
     got = jax.jit(jax.vmap(lambda s: run(path, q, k, v, **alibi(s))))(many)
-    want = jnp.stack([dense(q, k, v, **alibi_dense(s)) for s in many])
+    want = jnp.stack([jax_reference(q, k, v, **alibi_dense(s)) for s in many])
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
     dq, ds = jnp.ones_like(q), jnp.ones_like(slopes)
     _, t_got = jax.jit(lambda *a: jax.jvp(lambda q, s: run(path, q, k, v, **alibi(s)), (q, slopes), (dq, ds)))()
-    _, t_want = jax.jvp(lambda q, s: dense(q, k, v, **alibi_dense(s)), (q, slopes), (dq, ds))
+    _, t_want = jax.jvp(lambda q, s: jax_reference(q, k, v, **alibi_dense(s)), (q, slopes), (dq, ds))
     np.testing.assert_allclose(np.asarray(t_got), np.asarray(t_want), atol=2e-5)
 
 
@@ -257,9 +239,9 @@ def test_pallas_tpu_translates_soft_cap(rng):
     q = jnp.asarray(rng.normal(size=(1, 2, 16, 8)) * 3, jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(1, 1, 16, 8)) * 3, jnp.float32) for _ in range(2))
     got = attention(q, k, v, is_causal=True, logits_soft_cap=2.0, implementation="pallas_tpu")
-    want = dense(q, k, v, allowed=jnp.asarray(rel(16, 16) <= 0), cap=2.0)
+    want = jax_reference(q, k, v, allowed=jnp.asarray(rel(16, 16) <= 0), cap=2.0)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
-    assert not np.allclose(np.asarray(got), np.asarray(dense(q, k, v, allowed=jnp.asarray(rel(16, 16) <= 0))),
+    assert not np.allclose(np.asarray(got), np.asarray(jax_reference(q, k, v, allowed=jnp.asarray(rel(16, 16) <= 0))),
                            atol=1e-3)
 
 
