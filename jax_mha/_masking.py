@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -217,10 +218,7 @@ def dense_heads(vis: Visibility, rank: int, batch: tuple | None = None, heads: i
         return None
     batch = vis.batch_shape if batch is None else batch
     heads = vis.num_heads if heads is None else heads
-    size = 1
-    for d in batch:
-        size *= d
-    b = jnp.arange(size, dtype=jnp.int32).reshape(tuple(batch) + (1, 1, 1))
+    b = jnp.arange(math.prod(batch), dtype=jnp.int32).reshape(tuple(batch) + (1, 1, 1))
     h = jnp.arange(heads, dtype=jnp.int32).reshape((heads, 1, 1))
     return jax.lax.broadcast_to_rank(b, rank), jax.lax.broadcast_to_rank(h, rank)
 
