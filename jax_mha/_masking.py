@@ -6,7 +6,7 @@ reference builds the pattern whole (`dense_allowed`), the blockwise engine evalu
 one `(rows, keys)` block at a time (`block_allowed`) and skips the key blocks it rules
 out (`key_range`, segment-id ranges), and the cuDNN path translates it to
 `jax.nn.dot_product_attention`'s arguments. Decoding with a cache reads it too, with
-the query offset set to the cache index (`jax_mha._layer`).
+the query offset set to the cache index (`jax_mha._attend`).
 
 Query `i` sits at key position `i + offset`, by default `offset = S - N`: the queries
 are the last N of S positions (bottom-right alignment, as `causal_mask`; `jax.nn`

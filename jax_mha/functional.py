@@ -2,7 +2,7 @@
 
 The public layer of the core. Beneath it (each file tested against the one below):
 
-  _reference.py   the plain attention, one screen: the source of truth every path is
+  _dense.py   the plain attention, one screen: the source of truth every path is
                   tested against, and the path that returns the weights (dropout on
                   them is applied here, in `_weights_path`)
   _masking.py     the one description of which (query, key) pairs may attend
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from jax_mha import _masking
 from jax_mha._cudnn import cudnn_attention, cudnn_problem
-from jax_mha._reference import mix, reference_weights
+from jax_mha._dense import mix, reference_weights
 from jax_mha.blockwise import run_blockwise
 
 IMPLEMENTATIONS = ("xla", "blockwise", "cudnn", "pallas_tpu", "pallas_gpu", "auto")

@@ -1,7 +1,7 @@
 """Flax linen modules: they create parameters and call the functional core, nothing more.
 
 `MultiHeadAttention` projects with plain `nn.Dense` layers and hands the heads to
-`jax_mha._layer.attend` (RoPE, the decoding cache step, PyTorch's extra keys, head
+`jax_mha._attend.attend` (RoPE, the decoding cache step, PyTorch's extra keys, head
 gates), which calls `jax_mha.attention`. `jax_mha.nnx` holds the same modules in
 `flax.nnx`, with the same parameter names and shapes.
 """
@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jax_mha import _layer
+from jax_mha import _attend
 from jax_mha._projection import projection_dot_general
 from jax_mha.functional import combine_heads, split_heads
 
@@ -109,12 +109,12 @@ class MultiHeadAttention(nn.Module):
     attention_fn: Callable | None = None
 
     def __post_init__(self):
-        _layer.check_dropout_rate(self.dropout_rate)
-        _layer.check_attention_fn(self.attention_fn)
-        _layer.check_width("num_heads", self.num_heads)
-        _layer.check_width("d_model", self.d_model, allow_none=True)
-        _layer.check_width("num_kv_heads", self.num_kv_heads, allow_none=True)
-        _layer.check_width("out_features", self.out_features, allow_none=True)
+        _attend.check_dropout_rate(self.dropout_rate)
+        _attend.check_attention_fn(self.attention_fn)
+        _attend.check_width("num_heads", self.num_heads)
+        _attend.check_width("d_model", self.d_model, allow_none=True)
+        _attend.check_width("num_kv_heads", self.num_kv_heads, allow_none=True)
+        _attend.check_width("out_features", self.out_features, allow_none=True)
         super().__post_init__()
 
     def _built_widths(self) -> dict:
@@ -137,10 +137,10 @@ class MultiHeadAttention(nn.Module):
         )
 
     def _layer_norm(self, name: str) -> nn.LayerNorm:
-        return nn.LayerNorm(use_bias=False, dtype=_layer.norm_dtype(self.dtype), param_dtype=self.param_dtype,
+        return nn.LayerNorm(use_bias=False, dtype=_attend.norm_dtype(self.dtype), param_dtype=self.param_dtype,
                             name=name)
 
-    def _cache(self, k: jax.Array, v: jax.Array, segment_ids=None) -> _layer.Cache | None:
+    def _cache(self, k: jax.Array, v: jax.Array, segment_ids=None) -> _attend.Cache | None:
         """The cache to decode with, or None when not decoding or while `init`
         creates it (flax's rule: the first call runs the plain forward pass).
 
@@ -161,7 +161,7 @@ class MultiHeadAttention(nn.Module):
         if self.has_variable("cache", "cached_segment_ids") or (not initialized and segment_ids is not None):
             # Kept only when init saw segment_ids: each cached token's segment (B…, L).
             ids = self.variable("cache", "cached_segment_ids", jnp.zeros, k.shape[:-3] + k.shape[-2:-1], jnp.int32)
-        return _layer.Cache(key.value, value.value, index.value, None if ids is None else ids.value) \
+        return _attend.Cache(key.value, value.value, index.value, None if ids is None else ids.value) \
             if initialized else None
 
     def _extra_kv(self, features: int):
@@ -237,21 +237,21 @@ class MultiHeadAttention(nn.Module):
             existing kernels', a bad mask/head_mask, decoding past the cache, or
             decoding without the cache from `init`.
         """
-        key, value = _layer.check_inputs(query, key, value)
-        _layer.check_widths({"query": query, "key": key, "value": value}, self._built_widths())
+        key, value = _attend.check_inputs(query, key, value)
+        _attend.check_widths({"query": query, "key": key, "value": value}, self._built_widths())
         d_model = self.d_model if self.d_model is not None else query.shape[-1]
-        kv_heads, head_dim = _layer.head_sizes(self.num_heads, d_model, self.num_kv_heads)
+        kv_heads, head_dim = _attend.head_sizes(self.num_heads, d_model, self.num_kv_heads)
         q = split_heads(self._dense(d_model, "query", self.qkv_bias)(query), self.num_heads)  # (B…, H, N, D)
         k = split_heads(self._dense(kv_heads * head_dim, "key", self.qkv_bias)(key), kv_heads)  # (B…, K, S, D)
         v = split_heads(self._dense(kv_heads * head_dim, "value", self.qkv_bias)(value), kv_heads)  # (B…, K, S, D)
         if self.normalize_qk:
-            q = _layer.layer_norm(self._layer_norm("query_ln"), q, self.dtype)
-            k = _layer.layer_norm(self._layer_norm("key_ln"), k, self.dtype)
+            q = _attend.layer_norm(self._layer_norm("query_ln"), q, self.dtype)
+            k = _attend.layer_norm(self._layer_norm("key_ln"), k, self.dtype)
         cache = self._cache(k, v, segment_ids)
         sow = sow_weights or self.sow_weights
         if self.dropout_rate > 0.0 and not deterministic and dropout_rng is None:
             dropout_rng = self.make_rng("dropout")
-        out, weights, cache = _layer.attend(
+        out, weights, cache = _attend.attend(
             q, k, v, mask=mask, bias=bias, is_causal=is_causal, local_window_size=local_window_size,
             q_lengths=q_lengths, kv_lengths=kv_lengths, segment_ids=segment_ids, positions=positions,
             rope_base=self.rope_base if self.rope else None, cache=cache,
@@ -281,8 +281,8 @@ class FeedForward(nn.Module):
     precision: Any = None
 
     def __post_init__(self):
-        _layer.check_dropout_rate(self.dropout_rate)
-        _layer.check_width("d_ff", self.d_ff)
+        _attend.check_dropout_rate(self.dropout_rate)
+        _attend.check_width("d_ff", self.d_ff)
         super().__post_init__()
 
     @nn.compact
@@ -343,11 +343,11 @@ class TransformerBlock(nn.Module):
     attention_fn: Callable | None = None
 
     def __post_init__(self):
-        _layer.check_dropout_rate(self.dropout_rate)
-        _layer.check_dropout_rate(self.attention_dropout_rate, "attention_dropout_rate")
-        _layer.check_attention_fn(self.attention_fn)
-        _layer.check_width("d_ff", self.d_ff)
-        _layer.check_width("num_heads", self.num_heads)
+        _attend.check_dropout_rate(self.dropout_rate)
+        _attend.check_dropout_rate(self.attention_dropout_rate, "attention_dropout_rate")
+        _attend.check_attention_fn(self.attention_fn)
+        _attend.check_width("d_ff", self.d_ff)
+        _attend.check_width("num_heads", self.num_heads)
         super().__post_init__()
 
     @nn.compact
@@ -380,10 +380,10 @@ class TransformerBlock(nn.Module):
             rope=self.rope, rope_base=self.rope_base, sow_weights=self.sow_weights, attention_fn=self.attention_fn,
             name="attention",
         )
-        norm1 = functools.partial(_layer.layer_norm, nn.LayerNorm(
-            dtype=_layer.norm_dtype(self.dtype), param_dtype=self.param_dtype, name="norm1"), dtype=self.dtype)
-        norm2 = functools.partial(_layer.layer_norm, nn.LayerNorm(
-            dtype=_layer.norm_dtype(self.dtype), param_dtype=self.param_dtype, name="norm2"), dtype=self.dtype)
+        norm1 = functools.partial(_attend.layer_norm, nn.LayerNorm(
+            dtype=_attend.norm_dtype(self.dtype), param_dtype=self.param_dtype, name="norm1"), dtype=self.dtype)
+        norm2 = functools.partial(_attend.layer_norm, nn.LayerNorm(
+            dtype=_attend.norm_dtype(self.dtype), param_dtype=self.param_dtype, name="norm2"), dtype=self.dtype)
         ffn = FeedForward(self.d_ff, self.dropout_rate, self.dtype, self.param_dtype, self.precision, name="ffn")
         drop = lambda y: nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
 

@@ -3,7 +3,7 @@
 Same parameter names and shapes as the linen modules (`query`, `key`, `value`, `out`
 with `kernel`/`bias`; `query_ln`, `key_ln`; `bias_k`, `bias_v`; `norm1`, `norm2`,
 `ffn/hidden`, `ffn/output`), so `to_linen_params` / `from_linen_params` move weights
-between the two unchanged. Both call the same `jax_mha._layer.attend` and so the same
+between the two unchanged. Both call the same `jax_mha._attend.attend` and so the same
 functional core.
 
 NNX needs the input widths at construction (`in_features`, `d_model`); the KV cache is
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_mha import _layer
+from jax_mha import _attend
 from jax_mha._projection import projection_dot_general
 from jax_mha.functional import combine_heads, split_heads
 
@@ -88,12 +88,12 @@ class MultiHeadAttention(nnx.Module):
         attention_fn: Callable | None = None,
         rngs: nnx.Rngs,
     ):
-        _layer.check_dropout_rate(dropout_rate)
-        self.attention_fn = _layer.check_attention_fn(attention_fn)
+        _attend.check_dropout_rate(dropout_rate)
+        self.attention_fn = _attend.check_attention_fn(attention_fn)
         self.num_heads = num_heads
-        self.d_model = _layer.check_width("d_model", _first(d_model, in_features))
-        _layer.check_width("out_features", out_features, allow_none=True)
-        self.num_kv_heads, self.head_dim = _layer.head_sizes(num_heads, self.d_model, num_kv_heads)
+        self.d_model = _attend.check_width("d_model", _first(d_model, in_features))
+        _attend.check_width("out_features", out_features, allow_none=True)
+        self.num_kv_heads, self.head_dim = _attend.head_sizes(num_heads, self.d_model, num_kv_heads)
         self.dropout_rate, self.deterministic = dropout_rate, deterministic
         self.dtype, self.param_dtype, self.implementation = dtype, param_dtype, implementation
         self.decode, self.normalize_qk, self.sow_weights = decode, normalize_qk, sow_weights
@@ -112,7 +112,7 @@ class MultiHeadAttention(nnx.Module):
         self.value = linear(_first(in_v_features, in_kv_features), kv_features, qkv_bias)
         self.out = linear(self.d_model, _first(out_features, self.d_model), out_bias,
                           out_kernel_init or kernel_init, out_bias_init or bias_init)
-        layer_norm = lambda: nnx.LayerNorm(self.head_dim, use_bias=False, dtype=_layer.norm_dtype(dtype), param_dtype=param_dtype,
+        layer_norm = lambda: nnx.LayerNorm(self.head_dim, use_bias=False, dtype=_attend.norm_dtype(dtype), param_dtype=param_dtype,
                                            rngs=rngs)
         self.query_ln = layer_norm() if normalize_qk else nnx.data(None)
         self.key_ln = layer_norm() if normalize_qk else nnx.data(None)
@@ -142,13 +142,13 @@ class MultiHeadAttention(nnx.Module):
         self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
         self.cached_segment_ids = nnx.Cache(jnp.zeros(input_shape[:-1], jnp.int32)) if segment_ids else nnx.data(None)
 
-    def _cache(self, decode: bool | None) -> _layer.Cache | None:
+    def _cache(self, decode: bool | None) -> _attend.Cache | None:
         if not _first(decode, self.decode):
             return None
         if self.cached_key is None:
             raise ValueError("decode=True needs a cache: call init_cache(input_shape) first")
         ids = None if self.cached_segment_ids is None else self.cached_segment_ids[...]
-        return _layer.Cache(self.cached_key[...], self.cached_value[...], self.cache_index[...], ids)
+        return _attend.Cache(self.cached_key[...], self.cached_value[...], self.cache_index[...], ids)
 
     def _dropout_rng(self, deterministic, dropout_rng, rngs):
         if self.dropout_rate == 0.0 or _first(deterministic, self.deterministic) or dropout_rng is not None:
@@ -192,16 +192,16 @@ class MultiHeadAttention(nnx.Module):
         Returns:
           `(B…, N, out_features)`, or `(out, weights (B…, H, N, S))`.
         """
-        key, value = _layer.check_inputs(query, key, value)
-        _layer.check_widths({"query": query, "key": key, "value": value},
+        key, value = _attend.check_inputs(query, key, value)
+        _attend.check_widths({"query": query, "key": key, "value": value},
                             {name: getattr(self, name).in_features for name in ("query", "key", "value")})
         q = split_heads(self.query(query), self.num_heads)  # (B…, H, N, D)
         k = split_heads(self.key(key), self.num_kv_heads)  # (B…, K, S, D)
         v = split_heads(self.value(value), self.num_kv_heads)  # (B…, K, S, D)
         if self.normalize_qk:
-            q, k = _layer.layer_norm(self.query_ln, q, self.dtype), _layer.layer_norm(self.key_ln, k, self.dtype)
+            q, k = _attend.layer_norm(self.query_ln, q, self.dtype), _attend.layer_norm(self.key_ln, k, self.dtype)
         sow = sow_weights or self.sow_weights
-        out, weights, cache = _layer.attend(
+        out, weights, cache = _attend.attend(
             q, k, v, mask=mask, bias=bias, is_causal=is_causal, local_window_size=local_window_size,
             q_lengths=q_lengths, kv_lengths=kv_lengths, segment_ids=segment_ids, positions=positions,
             rope_base=self.rope_base,
@@ -226,8 +226,8 @@ class FeedForward(nnx.Module):
 
     def __init__(self, d_model: int, d_ff: int, *, dropout_rate: float = 0.0, deterministic: bool = True,
                  dtype: Any = None, param_dtype: Any = jnp.float32, precision: Any = None, rngs: nnx.Rngs):
-        _layer.check_dropout_rate(dropout_rate)
-        d_model, d_ff = _layer.check_width("d_model", d_model), _layer.check_width("d_ff", d_ff)
+        _attend.check_dropout_rate(dropout_rate)
+        d_model, d_ff = _attend.check_width("d_model", d_model), _attend.check_width("d_ff", d_ff)
         linear = lambda d_in, d_out: nnx.Linear(d_in, d_out, dtype=dtype, param_dtype=param_dtype,
                                                 precision=precision, rngs=rngs)
         self.hidden, self.output = linear(d_model, d_ff), linear(d_ff, d_model)
@@ -264,9 +264,9 @@ class TransformerBlock(nnx.Module):
         rope_base: float = 10000.0, sow_weights: bool = False, attention_fn: Callable | None = None,
         rngs: nnx.Rngs,
     ):
-        _layer.check_dropout_rate(dropout_rate)
-        _layer.check_dropout_rate(attention_dropout_rate, "attention_dropout_rate")
-        _layer.check_width("d_ff", d_ff)
+        _attend.check_dropout_rate(dropout_rate)
+        _attend.check_dropout_rate(attention_dropout_rate, "attention_dropout_rate")
+        _attend.check_width("d_ff", d_ff)
         self.pre_norm = pre_norm
         self.attention = MultiHeadAttention(
             num_heads, d_model, num_kv_heads=num_kv_heads, dropout_rate=attention_dropout_rate,
@@ -274,7 +274,7 @@ class TransformerBlock(nnx.Module):
             implementation=implementation, decode=decode, normalize_qk=normalize_qk, rope=rope, rope_base=rope_base,
             sow_weights=sow_weights, attention_fn=attention_fn, rngs=rngs,
         )
-        norm = lambda: nnx.LayerNorm(d_model, dtype=_layer.norm_dtype(dtype), param_dtype=param_dtype, rngs=rngs)
+        norm = lambda: nnx.LayerNorm(d_model, dtype=_attend.norm_dtype(dtype), param_dtype=param_dtype, rngs=rngs)
         self.norm_dtype = dtype
         self.norm1, self.norm2 = norm(), norm()
         self.ffn = FeedForward(d_model, d_ff, dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype,
@@ -309,13 +309,13 @@ class TransformerBlock(nnx.Module):
             return result if return_weights else (result, None)
 
         if self.pre_norm:
-            a, weights = attend(_layer.layer_norm(self.norm1, x, self.norm_dtype))
+            a, weights = attend(_attend.layer_norm(self.norm1, x, self.norm_dtype))
             x = x + drop(a)
-            x = x + drop(self.ffn(_layer.layer_norm(self.norm2, x, self.norm_dtype), deterministic=deterministic))
+            x = x + drop(self.ffn(_attend.layer_norm(self.norm2, x, self.norm_dtype), deterministic=deterministic))
         else:
             a, weights = attend(x)
-            x = _layer.layer_norm(self.norm1, x + drop(a), self.norm_dtype)
-            x = _layer.layer_norm(self.norm2, x + drop(self.ffn(x, deterministic=deterministic)), self.norm_dtype)
+            x = _attend.layer_norm(self.norm1, x + drop(a), self.norm_dtype)
+            x = _attend.layer_norm(self.norm2, x + drop(self.ffn(x, deterministic=deterministic)), self.norm_dtype)
         return (x, weights) if return_weights else x
 
 
