@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mha import _masking
-from jax_mha.functional import _check_pairwise, attention, rotary_embedding
+from jax_mha._validate import check_pairwise, describe
+from jax_mha.functional import attention, attention_from_description, rotary_embedding
 
 
 class Cache(NamedTuple):
@@ -200,11 +201,13 @@ def write_cache(cache: Cache, k, v, segment_ids=None):
     if n > length or (index is not None and index + n > length):
         raise ValueError(f"decoding past the cache: cache_index={index} + {n} new tokens > cache length {length} "
                          "(the length of the input given to init)")
-    start = (0,) * (k.ndim - 2) + (cache.index, 0)
+    index = jnp.asarray(cache.index)
+    zero = jnp.zeros((), index.dtype)  # one index dtype (Python ints are int64 under jax_enable_x64)
+    start = (zero,) * (k.ndim - 2) + (index, zero)
     ids = cache.segment_ids
     if ids is not None:
         segment_ids = jnp.broadcast_to(jnp.asarray(segment_ids, jnp.int32), ids.shape[:-1] + (n,))
-        ids = jax.lax.dynamic_update_slice(ids, segment_ids, (0,) * (ids.ndim - 1) + (cache.index,))
+        ids = jax.lax.dynamic_update_slice(ids, segment_ids, (zero,) * (ids.ndim - 1) + (index,))
     new = Cache(
         jax.lax.dynamic_update_slice(cache.key, k.astype(cache.key.dtype), start),
         jax.lax.dynamic_update_slice(cache.value, v.astype(cache.value.dtype), start),
@@ -213,13 +216,21 @@ def write_cache(cache: Cache, k, v, segment_ids=None):
     return new, cache.index + n > length
 
 
-def decode_pattern(index, n: int, length: int, local_window_size) -> jax.Array:
-    """bool `(n, L)`: who new token t (at position `index + t`) may see, read from
-    `_masking` with the query offset set to the cache index: causal, and the window
-    (whose right side never matters here: causality is stricter)."""
+def decode_pattern(offset, n: int, length: int, local_window_size) -> jax.Array:
+    """bool `(n, L)`: who new token t (at key position `offset + t`) may see, read from
+    `_masking`: causal, and the window. Only for a caller's own `attention_fn`, which
+    takes no query offset; the library's path reads the offset from the description."""
     window = _masking.canonical_window(local_window_size)
-    vis = _masking.Visibility(n, length, is_causal=True, window=window, q_offset=index)
+    vis = _masking.Visibility(n, length, is_causal=True, window=window, q_offset=offset)
     return _masking.dense_allowed(vis, 2)
+
+
+def shift_mods(score_mod, mask_mod, start):
+    """The mods with `q_idx` counted from `start` (for a caller's own `attention_fn`
+    when decoding, which sees the new tokens as rows 0…n-1)."""
+    shifted_score = None if score_mod is None else (lambda s, b, h, i, j: score_mod(s, b, h, i + start, j))
+    shifted_mask = None if mask_mod is None else (lambda b, h, i, j: mask_mod(b, h, i + start, j))
+    return shifted_score, shifted_mask
 
 
 def prepend_extra_keys(k, v, mask, bias, kv_lengths, bias_kv, add_zero_attn: bool):
@@ -291,6 +302,35 @@ def check_attention_fn(attention_fn):
     return attention_fn
 
 
+def _decode_step(q, k, v, cache: Cache, segment_ids):
+    """Writes the new tokens into the cache: `(k, v, q ids, kv ids, cache, overflow,
+    index)` with k, v the whole cache and index the position of the first new token."""
+    if k.shape[-2] != q.shape[-2]:
+        raise ValueError(f"decoding feeds as many keys as queries, got N={q.shape[-2]}, S={k.shape[-2]}")
+    index = cache.index
+    cache, overflow = write_cache(cache, k, v, segment_ids)
+    q_ids, kv_ids = (None, None) if segment_ids is None else (segment_ids, cache.segment_ids)
+    return cache.key, cache.value, q_ids, kv_ids, cache, overflow, index
+
+
+def _call_core(q, k, v, *, attention_fn, offset, start, need_weights, keywords, mods, core_options):
+    """The core (or the caller's `attention_fn`) on the heads. When decoding
+    (`offset` not None), the library's path gets the cache offset in its description;
+    an `attention_fn`, which takes no offset, gets the pattern as a dense mask and the
+    mods shifted to the positions of the full pass."""
+    if offset is None:
+        fn = attention if attention_fn is None else attention_fn
+        return fn(q, k, v, **keywords, return_weights=need_weights, **core_options, **mods)
+    if attention_fn is None:
+        vis = describe(q, k, v, **keywords, **mods, q_offset=offset, q_start=start)
+        return attention_from_description(q, k, v, vis, return_weights=need_weights, **core_options)
+    pattern = decode_pattern(offset, q.shape[-2], k.shape[-2], keywords["local_window_size"])
+    score_mod, mask_mod = shift_mods(mods.get("score_mod"), mods.get("mask_mod"), start)
+    mods = dict(mods, **{name: fn for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)) if fn})
+    keywords = dict(keywords, mask=_and(keywords["mask"], pattern), is_causal=False, local_window_size=None)
+    return attention_fn(q, k, v, **keywords, return_weights=need_weights, **core_options, **mods)
+
+
 def attend(
     q, k, v, *, mask=None, bias=None, is_causal=False, local_window_size=None, q_lengths=None,
     kv_lengths=None, segment_ids=None, positions=None, rope_base=None, cache: Cache | None = None, bias_kv=None,
@@ -303,7 +343,9 @@ def attend(
       q: `(B…, H, N, D)`; k: `(B…, K, S, D)`; v: `(B…, K, S, Dv)` (after QK-norm).
       mask, bias, is_causal, local_window_size, q_lengths, kv_lengths: as for
         `jax_mha.attention`. When decoding, S is the cache length L and the pattern is
-        causal from `cache.index` whatever `is_causal` says.
+        causal from `cache.index` whatever `is_causal` says: the description gets the
+        cache index as its query offset, so the mods see the positions of the full
+        pass and no dense mask is built.
       segment_ids: int `(B…, N)` of a self-attention call (the core's
         `q_segment_ids`, keys the same); when decoding, the new tokens' ids, matched
         against the ids the cache keeps for every cached token.
@@ -327,41 +369,31 @@ def attend(
     """
     if rope_base is not None:
         q, k = rotate(q, k, positions, None if cache is None else cache.index, rope_base)
-    overflow = None
-    q_ids = kv_ids = None
-    if cache is not None or bias_kv is not None or add_zero_attn:
-        # This layer grows the mask (the decoding pattern, the extra keys): check it and
-        # the bias against the keys the caller knows first (the core checks every other call).
+    extras = bias_kv is not None or add_zero_attn
+    if cache is not None or extras:
+        # This layer grows the keys (the cache, the extra keys): check the mask and the
+        # bias against the keys the caller knows first (the core checks every other call).
         scores = q.shape[:-1] + ((k if cache is None else cache.key).shape[-2],)  # (B…, H, N, S)
-        mask = _check_pairwise("mask", mask, scores, floating=False)
-        bias = _check_pairwise("bias", bias, scores, floating=True)
+        mask = check_pairwise("mask", mask, scores, floating=False)
+        bias = check_pairwise("bias", bias, scores, floating=True)
+    if extras and (local_window_size is not None or segment_ids is not None):
+        what = "local_window_size" if local_window_size is not None else "segment_ids"
+        raise ValueError(f"{what} cannot be combined with add_bias_kv or add_zero_attn: their extra keys belong to no "
+                         "window or segment")
+    overflow = offset = start = None
+    q_ids, kv_ids = segment_ids, None
     if cache is not None:
-        if k.shape[-2] != q.shape[-2]:
-            raise ValueError(f"decoding feeds as many keys as queries, got N={q.shape[-2]}, S={k.shape[-2]}")
-        old_index = cache.index
-        cache, overflow = write_cache(cache, k, v, segment_ids)
-        k, v = cache.key, cache.value
-        mask = _and(mask, decode_pattern(old_index, q.shape[-2], k.shape[-2], local_window_size))
-        if segment_ids is not None:  # the new tokens' segments against every cached token's
-            q_ids, kv_ids = segment_ids, cache.segment_ids
-        is_causal, local_window_size = False, None
-    else:
-        q_ids = segment_ids
-        if local_window_size is not None and (bias_kv is not None or add_zero_attn):
-            raise ValueError("local_window_size cannot be combined with add_bias_kv or add_zero_attn: the window "
-                             "would hide their extra keys from most queries")
-    if bias_kv is not None or add_zero_attn:
-        if segment_ids is not None:
-            raise ValueError("segment_ids cannot be combined with add_bias_kv or add_zero_attn: their extra keys "
-                             "belong to no segment")
+        k, v, q_ids, kv_ids, cache, overflow, start = _decode_step(q, k, v, cache, segment_ids)
+        is_causal = True
     k, v, mask, bias, kv_lengths, extra = prepend_extra_keys(k, v, mask, bias, kv_lengths, bias_kv, add_zero_attn)
+    if start is not None:
+        offset = start + extra  # the extra keys go first, before position 0
     mods = {name: x for name, x in (("score_mod", score_mod), ("mask_mod", mask_mod),
                                      ("logits_soft_cap", logits_soft_cap)) if x is not None}
-    result = (attention if attention_fn is None else attention_fn)(
-        q, k, v, mask=mask, bias=bias, is_causal=is_causal, local_window_size=local_window_size,
-        q_lengths=q_lengths, kv_lengths=kv_lengths, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-        return_weights=need_weights, **core_options, **mods,
-    )
+    keywords = dict(mask=mask, bias=bias, is_causal=is_causal, local_window_size=local_window_size,
+                    q_lengths=q_lengths, kv_lengths=kv_lengths, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    result = _call_core(q, k, v, attention_fn=attention_fn, offset=offset, start=start, need_weights=need_weights,
+                        keywords=keywords, mods=mods, core_options=core_options)
     out, weights = result if need_weights else (result, None)
     if extra and weights is not None:
         weights = jnp.concatenate([weights[..., extra:], weights[..., :extra]], axis=-1)  # extras last, as torch

@@ -16,31 +16,39 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_mha._masking import Visibility, dense_allowed
+from jax_mha._masking import Call, Visibility, dense_allowed
 
 
-def cudnn_problem(q, k, v, dropout: bool, return_weights: bool) -> str | None:
-    """Why cuDNN's fused kernel cannot run these inputs, or None if it can."""
-    if jax.default_backend() != "gpu":
-        return f"the cudnn implementation needs a GPU backend, this one is {jax.default_backend()!r}"
-    if q.dtype not in (jnp.float16, jnp.bfloat16):
-        return f"the cudnn implementation needs float16 or bfloat16 inputs, got {q.dtype}"
-    d = q.shape[-1]
+def refusal(vis: Visibility, call: Call) -> str | None:
+    """Why jax.nn's cuDNN kernel cannot run this call (one line naming the part and
+    what to use instead), or None. The one place that decides it: `"auto"` reads it
+    to move on, an explicit `implementation="cudnn"` raises it."""
+    use = "use implementation='xla' or 'blockwise'"
+    if call.platform != "gpu":
+        return f"implementation='cudnn' needs a GPU, this call runs on {call.platform!r}; {use}"
+    if jnp.dtype(call.q.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        return f"implementation='cudnn' needs float16 or bfloat16 inputs, got {call.q.dtype}; {use}"
+    d = call.q.shape[-1]
     if d > 128 or d % 8:
-        return f"the cudnn implementation needs head_dim <= 128 and a multiple of 8, got D={d}"
-    if v.shape[-1] != d:
-        return f"the cudnn implementation needs equal q/k and v head dims, got {d} and {v.shape[-1]}"
-    if return_weights:
-        return "the cudnn implementation never builds the weights: return_weights=True needs 'xla'"
-    if dropout:
-        return "the cudnn implementation here does not apply dropout: use 'xla'"
+        return f"implementation='cudnn' needs head_dim <= 128 and a multiple of 8, got D={d}; {use}"
+    if call.v.shape[-1] != d:
+        return f"implementation='cudnn' needs equal q/k and v head dims, got {d} and {call.v.shape[-1]}; {use}"
+    if call.return_weights:
+        return "implementation='cudnn' never builds the weights: return_weights=True needs implementation='xla'"
+    if call.dropout:
+        return "implementation='cudnn' does not apply dropout here: use implementation='xla'"
+    if vis.score_mod is not None:
+        return f"implementation='cudnn' cannot express score_mod; {use}"
+    if vis.logits_soft_cap is not None:
+        return f"implementation='cudnn' cannot express logits_soft_cap (cuDNN has no soft-cap); {use}"
+    if vis.q_offset is not None or vis.q_start is not None:
+        return f"implementation='cudnn' cannot take a query offset (decoding from a cache index); {use}"
     return None
 
 
-def cudnn_attention(q, k, v, vis: Visibility, *, scale, bad_kv):
-    """Returns `(out (B…, H, N, D), empty (B…, H, N), touched (B…, H, N))`: `empty`
-    marks rows with no visible key, `touched` rows that may see a `bad_kv` key (both
-    evaluated from the description, fused by XLA, never stored).
+def cudnn_attention(q, k, v, vis: Visibility, *, scale):
+    """`out (B…, H, N, D)` of finite `q (B…, H, N, D)`, `k, v (B…, K, S, D)`; rows
+    with no visible key are left to the dispatcher (`_masking.dense_rows`).
 
     jax.nn's cuDNN call has no segment ids: they go in as part of the dense mask
     (`dense_allowed`), as does the pattern when N != S (its alignment differs)."""
@@ -63,11 +71,7 @@ def cudnn_attention(q, k, v, vis: Visibility, *, scale, bad_kv):
         is_causal=native and vis.is_causal, query_seq_lengths=lengths(vis.q_lengths),
         key_value_seq_lengths=lengths(vis.kv_lengths), local_window_size=local, implementation="cudnn",
     )  # (B, N, H, D)
-    out = jnp.swapaxes(out, -3, -2).reshape(*batch, h, n, d)
-    allowed = dense_allowed(vis, len(batch) + 3)
-    allowed = jnp.broadcast_to(True if allowed is None else allowed, (*batch, h, n, s))
-    sees_bad = jnp.repeat(bad_kv, h // k.shape[-3], axis=-2)[..., None, :]  # (B…, H, 1, S)
-    return out, ~jnp.any(allowed, axis=-1), jnp.any(allowed & sees_bad, axis=-1)
+    return jnp.swapaxes(out, -3, -2).reshape(*batch, h, n, d)
 
 
-__all__ = ["cudnn_attention", "cudnn_problem"]
+__all__ = ["cudnn_attention", "refusal"]

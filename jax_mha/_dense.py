@@ -2,8 +2,7 @@
 
 scores -> mask -> float32 softmax -> zeros for empty rows -> weights · v. The math runs
 in float32 whatever the input dtype (float64 stays float64), so gradients cannot
-overflow in float16. It is also the path that returns the weights (dropout on them is
-applied by the caller, `jax_mha.functional._weights_path`).
+overflow in float16. It is also the path that returns the weights, with dropout on them (`dense_attention`).
 Inputs are finite here: the dispatcher (`jax_mha.functional`) replaces non-finite
 entries and marks the rows that see them.
 """
@@ -13,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_mha import _masking
 from jax_mha._masking import compute_dtype, soft_cap
 
 
@@ -68,3 +68,37 @@ def mix(weights, v):
     v = jnp.repeat(v, weights.shape[-3] // v.shape[-3], axis=-3).astype(weights.dtype)  # (B…, H, S, Dv)
     return jnp.einsum("...hns,...hsd->...hnd", weights, v)
 
+
+
+def dense_attention(q, k, v, bad_kv, vis: _masking.Visibility, *, scale: float, dropout_rate: float = 0.0,
+                    dropout_rng=None):
+    """The whole-scores path: the description evaluated whole, then `reference_weights`.
+
+    Args:
+      q: `(B…, H, N, D)`; k: `(B…, K, S, D)`; v: `(B…, K, S, Dv)`, finite.
+      bad_kv: bool `(B…, K, S)`, keys whose key or value had a non-finite entry.
+      vis: the description; scale: the logit scale.
+      dropout_rate, dropout_rng: dropout on the weights (rate 0: none).
+
+    Returns:
+      `(out (B…, H, N, Dv), weights (B…, H, N, S), empty (B…, H, N), touched (B…, H, N))`
+      in the compute dtype: `empty` rows see no key, `touched` rows see a bad key.
+    """
+    allowed = _masking.dense_allowed(vis, q.ndim)
+    bias = None if vis.bias is None else jax.lax.broadcast_to_rank(vis.bias, q.ndim)
+    score_fn = None
+    if vis.score_mod is not None:
+        heads = _masking.dense_heads(vis, q.ndim)
+        rows, cols = jnp.arange(vis.n)[:, None], jnp.arange(vis.s)[None, :]
+        without_cap = _masking.Visibility(vis.n, vis.s, score_mod=vis.score_mod, q_start=vis.q_start)
+        score_fn = lambda x: _masking.score_logits(without_cap, x, heads, rows, cols)
+    weights, empty = reference_weights(q, k, allowed, bias, scale=scale, rows_see_keys=vis.every_row_sees_a_key,
+                                       score_fn=score_fn, logits_soft_cap=vis.logits_soft_cap)
+    if dropout_rate > 0.0:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
+        weights = jnp.where(keep, weights / jnp.asarray(1.0 - dropout_rate, weights.dtype), 0.0)
+    groups = q.shape[-3] // k.shape[-3]
+    out = mix(weights, v)  # (B…, H, N, Dv)
+    sees_bad = jnp.repeat(bad_kv, groups, axis=-2)[..., None, :]  # (B…, H, 1, S)
+    touched = jnp.any(sees_bad if allowed is None else allowed & sees_bad, axis=-1)
+    return out, weights, empty, jnp.broadcast_to(touched, empty.shape)

@@ -54,7 +54,8 @@ _STATIC = ("n", "s", "is_causal", "window", "score_mod", "mask_mod", "logits_sof
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["mask", "bias", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids", "q_offset"],
+    data_fields=["mask", "bias", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids", "q_offset",
+                 "q_start"],
     meta_fields=list(_STATIC),
 )
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +75,11 @@ class Visibility:
       q_lengths, kv_lengths: int32 `(B…|1, 1, 1, 1)` (`lengths_at_rank`), or None.
       q_segment_ids: int32 `(B…|1, 1, N, 1)`; kv_segment_ids: int32 `(B…|1, 1, 1, S)`
         (`segments_at_rank`); both or neither.
-      q_offset: the key position of query 0, an int or a traced int scalar; None
-        means `S - N`. Only the dense evaluation (`dense_allowed`) accepts a traced
-        one (decoding: the cache index); `attention` always uses the default.
+      q_offset: the key position of query 0, an int or a traced int32 scalar; None
+        means `S - N`. Decoding sets it to the cache index.
+      q_start: the `q_idx` the mods see for query row 0 (an int or a traced int32
+        scalar; None means 0). Decoding sets it to the cache index, so that the mods
+        see the positions of the full pass; ring attention to the device's first row.
       score_mod: `score_mod(score, batch, head, q_idx, kv_idx) -> score`, or None.
       mask_mod: `mask_mod(batch, head, q_idx, kv_idx) -> bool`, or None.
       logits_soft_cap: c > 0 (a Python float) or None.
@@ -95,6 +98,7 @@ class Visibility:
     q_segment_ids: jax.Array | None = None
     kv_segment_ids: jax.Array | None = None
     q_offset: int | jax.Array | None = None
+    q_start: int | jax.Array | None = None
     score_mod: object = None
     mask_mod: object = None
     logits_soft_cap: float | None = None
@@ -107,6 +111,11 @@ class Visibility:
         """Key position of query 0: `q_offset`, by default S - N (the queries are the
         last N positions)."""
         return self.s - self.n if self.q_offset is None else self.q_offset
+
+    @property
+    def start(self):
+        """The mods' `q_idx` of query row 0 (`q_start`, by default 0)."""
+        return 0 if self.q_start is None else self.q_start
 
     @property
     def segmented(self) -> bool:
@@ -193,7 +202,8 @@ def block_allowed(
     if mask_block is not None:
         parts.append(lift(mask_block))
     if vis.mask_mod is not None:
-        parts.append(vis.mask_mod(heads[0], heads[1], lift(rows).astype(jnp.int32), lift(cols).astype(jnp.int32)))
+        q_idx = (lift(rows) + vis.start).astype(jnp.int32)
+        parts.append(vis.mask_mod(heads[0], heads[1], q_idx, lift(cols).astype(jnp.int32)))
     if not parts:
         return None
     out = parts[0]
@@ -209,6 +219,43 @@ def dense_allowed(vis: Visibility, rank: int) -> jax.Array | None:
     cols = jnp.arange(vis.s)[None, :]
     segments = (vis.q_segment_ids, vis.kv_segment_ids) if vis.segmented else None
     return block_allowed(vis, rows, cols, vis.mask, rank, segments, dense_heads(vis, rank))
+
+
+def dense_rows(vis: Visibility, bad_kv: jax.Array, heads: int) -> tuple[jax.Array, jax.Array]:
+    """`(empty, touched)`, bool `(B…, H, N)`: rows with no visible key, and rows that
+    may see a key in `bad_kv` (bool `(B…, K, S)`, keys or values with a non-finite
+    entry). For the kernel paths, whose kernels return neither: an `(N, S)` reduction
+    that XLA fuses into its two outputs (evaluated, never stored).
+    A `score_mod` that returns `-inf` is not consulted (the kernel paths take none)."""
+    rank = bad_kv.ndim + 1
+    allowed = dense_allowed(vis, rank)
+    batch = jnp.broadcast_shapes(tuple(vis.batch_shape), bad_kv.shape[:-2])
+    shape = tuple(batch) + (heads, vis.n, vis.s)
+    allowed = jnp.broadcast_to(True if allowed is None else allowed, shape)
+    sees_bad = jnp.repeat(bad_kv, heads // bad_kv.shape[-2], axis=-2)[..., None, :]  # (B…, H, 1, S)
+    return ~jnp.any(allowed, axis=-1), jnp.any(allowed & sees_bad, axis=-1)
+
+
+class Call(NamedTuple):
+    """What a call asks of a path beyond the description: read by each path's
+    `refusal(vis, call) -> str | None` (one per path, beside it) and by the dispatcher.
+
+    Attributes:
+      q, k, v: the inputs' shapes and dtypes (`jax.ShapeDtypeStruct` or arrays):
+        `(B…, H, N, D)`, `(B…, K, S, D)`, `(B…, K, S, Dv)`.
+      return_weights: the caller needs the `(B…, H, N, S)` weights.
+      dropout: dropout on the weights is active.
+      empty_rows: `"zero"` or `"uniform"`.
+      platform: `"cpu"`, `"gpu"` or `"tpu"`, where the call runs.
+    """
+
+    q: object
+    k: object
+    v: object
+    return_weights: bool = False
+    dropout: bool = False
+    empty_rows: str = "zero"
+    platform: str = "cpu"
 
 
 def dense_heads(vis: Visibility, rank: int, batch: tuple | None = None, heads: int | None = None):
@@ -237,7 +284,7 @@ def score_logits(vis: Visibility, s: jax.Array, heads, rows, cols) -> jax.Array:
     soft-cap; `heads`, `rows`, `cols` as for `block_allowed`."""
     if vis.score_mod is not None:
         lift = lambda x: jax.lax.broadcast_to_rank(x, s.ndim).astype(jnp.int32)
-        s = vis.score_mod(s, heads[0], heads[1], lift(rows), lift(cols))
+        s = vis.score_mod(s, heads[0], heads[1], lift(rows + vis.start), lift(cols))
     return soft_cap(s, vis.logits_soft_cap)
 
 
@@ -342,5 +389,5 @@ def num_blocks(length: int, block: int) -> int:
 __all__ = [
     "Visibility", "Window", "block_allowed", "canonical_window", "compute_dtype", "dense_allowed", "fits",
     "key_block_band", "key_range", "lengths_at_rank", "num_blocks", "positional", "segments_at_rank",
-    "dense_heads", "score_logits", "soft_cap",
+    "dense_heads", "score_logits", "soft_cap", "dense_rows", "Call",
 ]

@@ -15,6 +15,7 @@ its own Python process sets its own XLA_FLAGS.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 from pathlib import Path
@@ -114,12 +115,14 @@ def np_allowed(shape, *, is_causal=False, window=None, q_lengths=None, kv_length
     return ok
 
 
-def jax_reference(q, k, v, allowed=None, bias=None, scale=None, cap=None):
+def jax_reference(q, k, v, allowed=None, bias=None, scale=None, cap=None, keep=None, rate=0.0, uniform_rows=None):
     """Dense attention in plain `jax.numpy`, written apart from `jax_mha`, for comparing
     every JAX transformation against autodiff (run it in float64): scaled logits, + bias,
     `cap * tanh(logits / cap)` when `cap` is given (Gemma 2's order), mask, softmax. k/v
     are repeated per query head (GQA); masked logits are -inf; rows with nothing allowed
-    give 0."""
+    give 0. `keep` (bool, the weights' shape) drops weights out at `rate` (kept ones
+    scaled by 1/(1-rate)); `uniform_rows` (bool `(B…, H, N)`) gives those rows the mean
+    of all values (the `empty_rows="uniform"` policy)."""
     h, kv_heads, d = q.shape[-3], k.shape[-3], q.shape[-1]
     k = jnp.repeat(k, h // kv_heads, axis=-3)
     v = jnp.repeat(v, h // kv_heads, axis=-3)
@@ -134,7 +137,58 @@ def jax_reference(q, k, v, allowed=None, bias=None, scale=None, cap=None):
     top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     e = jnp.where(allowed, jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
     total = jnp.sum(e, axis=-1, keepdims=True)
-    return (e / jnp.where(total > 0, total, 1.0)) @ v
+    weights = e / jnp.where(total > 0, total, 1.0)
+    if keep is not None:
+        weights = jnp.where(keep, weights / (1.0 - rate), 0.0)
+    out = weights @ v
+    if uniform_rows is not None:
+        out = jnp.where(uniform_rows[..., None], jnp.mean(v, axis=-2, keepdims=True), out)
+    return out
+
+
+# The attention paths the suites run; "weights" is "xla" asked for the weights too.
+PATHS = ("xla", "blockwise", "weights", "cudnn")
+KERNEL_PATHS = ("pallas_tpu", "pallas_gpu")
+
+
+def normal(rng, shape, dtype=jnp.float32):
+    """Fresh standard-normal inputs (never zeros), as a jax array."""
+    return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def randomize(params, seed=0):
+    """Replaces every leaf by fresh N(0, 0.3²) values, so zero-initialised biases matter.
+
+    NumPy draws: no XLA compilation per parameter shape (keeps the suite fast on CPU).
+    """
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map(lambda x: jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype), params)
+
+
+def run(path, q, k, v, **kw):
+    """`jax_mha.attention` on one path, jitted once per path and static options (arrays
+    traced); the output only. The blockwise path runs 4 x 8 blocks (several blocks,
+    padding and skipping all happen). Works under outer transformations too."""
+    from jax_mha import attention
+
+    if path == "cudnn" and jax.default_backend() != "gpu":
+        pytest.skip("the cudnn path needs a GPU; this backend is " + jax.default_backend())
+    arrays = {name: x for name, x in kw.items() if isinstance(x, (jax.Array, np.ndarray))}
+    static = {name: x for name, x in kw.items() if name not in arrays}
+    if path == "weights":
+        static.update(implementation="xla", return_weights=True)
+    elif path == "blockwise":
+        static = dict(query_block_size=4, key_block_size=8) | static
+        static.update(implementation="blockwise")
+    else:
+        static.update(implementation=path)
+    out = _jitted(tuple(sorted(static.items(), key=lambda item: item[0])), attention)(q, k, v, arrays)
+    return out[0] if path == "weights" else out
+
+
+@functools.cache
+def _jitted(static, attention):
+    return jax.jit(lambda q, k, v, arrays: attention(q, k, v, **arrays, **dict(static)))
 
 
 def x64(enabled: bool = True):
@@ -157,3 +211,8 @@ def run_in(cwd: Path, main, argv) -> tuple[object, str]:
     finally:
         os.chdir(old)
     return result, out.getvalue()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full-matrix", action="store_true", default=False,
+                     help="run every cell of tests/test_composition.py (CI runs a fixed-seed draw of them)")

@@ -176,10 +176,13 @@ def test_vmap_and_jvp_through_a_score_mod(rng, path):
 
 
 BAD = [
-    (dict(score_mod=lambda s, b, h, i, j: jnp.sum(s, axis=-1)), ValueError, "score_mod must return the score's shape"),
+    (dict(score_mod=lambda s, b, h, i, j: jnp.sum(s, axis=-1)), ValueError, "score_mod must return one score per"),
+    (dict(score_mod=lambda s, b, h, i, j: i >= j), TypeError, "score_mod returned booleans.*mask_mod"),
+    (dict(mask_mod=lambda b, i, j: j <= i), TypeError, r"mask_mod must take 4 arguments \(batch, head, q_idx"),
+    (dict(score_mod=lambda s, i, j: s), TypeError, r"score_mod must take 5 arguments \(score, batch"),
     (dict(score_mod=lambda s, b, h, i, j: s.astype(jnp.float16)), TypeError, "score_mod must return the score's dtype"),
     (dict(mask_mod=lambda b, h, i, j: (j - i).astype(jnp.float32)), TypeError, "mask_mod must return booleans"),
-    (dict(mask_mod=lambda b, h, i, j: jnp.ones((4,), bool)), ValueError, "mask_mod's result of shape"),
+    (dict(mask_mod=lambda b, h, i, j: jnp.ones((4,), bool)), ValueError, "mask_mod's result does not broadcast"),
     (dict(score_mod="alibi"), TypeError, "score_mod must be a callable"),
     (dict(mask_mod=3), TypeError, "mask_mod must be a callable"),
     (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap"),
@@ -214,24 +217,16 @@ def test_kernels_refuse_what_they_cannot_express_by_name(rng, path, kw, name):
         attention(q, k, v, implementation=path, **kw)
 
 
-def test_cudnn_refuses_score_mod_and_soft_cap_by_name(rng):
-    from jax_mha import functional
-
-    vis = Visibility(N, S, score_mod=lambda s, b, h, i, j: s)
-    assert "score_mod" in functional._cudnn_refusal(vis)
-    assert "logits_soft_cap" in functional._cudnn_refusal(Visibility(N, S, logits_soft_cap=2.0))
-    assert functional._cudnn_refusal(Visibility(N, S, mask_mod=lambda b, h, i, j: j <= i)) is None
-
-
 def test_auto_keeps_mods_off_the_kernels(monkeypatch, rng):
-    from jax_mha import functional
+    """On a TPU "auto" reads splash's refusal: a mask function goes to the pure-JAX
+    path, a soft-cap (which splash takes) to the kernel."""
+    from jax_mha import _dispatch
+    from jax_mha.functional import resolve_implementation
 
     q, k, v, _ = case_inputs(rng, "alibi")
-    monkeypatch.setattr(functional, "_platform", lambda: "tpu")
-    vis = Visibility(N, S, mask_mod=lambda b, h, i, j: j <= i)
-    assert functional._kernel_cannot_express(vis, "zero")
-    assert functional.resolve_implementation(q, k, v, unfused=True) == "xla"
-    assert not functional._kernel_cannot_express(Visibility(N, S, logits_soft_cap=3.0), "zero")
+    monkeypatch.setattr(_dispatch, "platform", lambda: "tpu")
+    assert resolve_implementation(q, k, v, Visibility(N, S, mask_mod=lambda b, h, i, j: j <= i)) == "xla"
+    assert resolve_implementation(q, k, v, Visibility(N, S, logits_soft_cap=3.0)) == "pallas_tpu"
 
 
 def test_pallas_tpu_translates_soft_cap(rng):

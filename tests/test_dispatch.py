@@ -1,0 +1,128 @@
+"""`jax_mha._dispatch`: the "auto" chain per platform read from each path's one
+refusal, explicit choices raising that refusal, and the steps every path shares (NaN
+isolation, empty rows, padding rows) around a kernel that knows nothing of them."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import np_allowed, np_attention
+
+from jax_mha import _dispatch, _masking, attention
+from jax_mha._dense import reference_weights
+
+B, H, K, N, S, D = 2, 6, 3, 7, 11, 5
+
+
+def structs(dtype=jnp.float32, n=N, s=S, d=D):
+    q = jax.ShapeDtypeStruct((B, H, n, d), dtype)
+    k = jax.ShapeDtypeStruct((B, K, s, d), dtype)
+    return q, k, k
+
+
+def fake_kernel(refuses=None):
+    """A stand-in kernel module: refuses with `refuses` (or takes everything) and runs
+    plain softmax attention over the description's pattern, with no NaN handling and
+    arbitrary output on empty rows (what a fused kernel gives)."""
+    seen = {}
+
+    def run(q, k, v, vis, *, scale, interpret):
+        seen.update(vis=vis, interpret=interpret, finite=bool(jnp.all(jnp.isfinite(q)) & jnp.all(jnp.isfinite(v))))
+        allowed = _masking.dense_allowed(vis, q.ndim)
+        weights, _ = reference_weights(q, k, allowed, scale=scale)
+        weights = jnp.where(jnp.any(allowed, -1, keepdims=True), weights, 1.0 / k.shape[-2])  # garbage on empty rows
+        return jnp.einsum("bhns,bhsd->bhnd", weights, jnp.repeat(v, q.shape[1] // v.shape[1], axis=1))
+
+    return types.SimpleNamespace(refusal=lambda vis, call: refuses, run=run, seen=seen)
+
+
+@pytest.mark.parametrize("platform, dtype, kernels, kw, expected", [
+    ("cpu", jnp.float32, {}, {}, "xla"),
+    ("cpu", jnp.bfloat16, {}, {}, "blockwise"),  # half precision: the engine, never the whole float32 scores
+    ("tpu", jnp.float32, {"pallas_tpu": None}, {}, "pallas_tpu"),
+    ("tpu", jnp.float32, {"pallas_tpu": "no"}, {}, "xla"),
+    ("tpu", jnp.float32, {"pallas_tpu": None}, {"return_weights": True}, "xla"),  # the kernel's own refusal decides
+    ("gpu", jnp.bfloat16, {"pallas_gpu": None}, {}, "cudnn"),
+    ("gpu", jnp.float32, {"pallas_gpu": None}, {}, "pallas_gpu"),  # cuDNN refuses float32
+    ("gpu", jnp.float32, {"pallas_gpu": "no"}, {}, "xla"),
+    ("gpu", jnp.bfloat16, {"pallas_gpu": "no"}, {"dropout": True}, "xla"),  # cuDNN refuses dropout
+])
+def test_auto_walks_the_platform_chain(monkeypatch, platform, dtype, kernels, kw, expected):
+    fakes = {path: fake_kernel(why) for path, why in kernels.items()}
+    if "return_weights" in kw:
+        fakes["pallas_tpu"].refusal = lambda vis, call: "weights" if call.return_weights else None
+    monkeypatch.setattr(_dispatch, "kernel_module", lambda path: fakes[path])
+    q, k, v = structs(dtype, d=64)
+    call = _masking.Call(q, k, v, platform=platform, **kw)
+    assert _dispatch.choose(_masking.Visibility(N, S), call, "auto") == expected
+    assert _dispatch.choose(_masking.Visibility(N, S), call, None) == expected
+
+
+def test_explicit_choice_raises_the_paths_refusal(rng):
+    q = jnp.asarray(rng.standard_normal((B, H, N, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32)
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match=r"implementation='cudnn' needs a GPU, this call runs on 'cpu'"):
+            attention(q, k, k, implementation="cudnn")
+    with pytest.raises(ValueError, match=r"return_weights=True needs implementation='xla'"):
+        attention(q, k, k, implementation="blockwise", return_weights=True)
+    with pytest.raises(ValueError, match=r"implementation must be one of .* got 'flash'"):
+        attention(q, k, k, implementation="flash")
+
+
+@pytest.mark.parametrize("part, vis_kw, call_kw", [
+    ("score_mod", {"score_mod": lambda s, b, h, i, j: s}, {}),
+    ("logits_soft_cap", {"logits_soft_cap": 3.0}, {}),
+    ("float16 or bfloat16", {}, {"dtype": jnp.float32}),
+    ("head_dim <= 128", {}, {"d": 136}),
+    ("return_weights", {}, {"return_weights": True}),
+    ("dropout", {}, {"dropout": True}),
+    ("query offset", {"q_offset": 3}, {}),
+])
+def test_cudnn_refusal_names_the_part(part, vis_kw, call_kw):
+    from jax_mha import _cudnn
+
+    options = dict(call_kw)
+    dtype, d = options.pop("dtype", jnp.bfloat16), options.pop("d", 64)
+    call = _masking.Call(*structs(dtype, d=d), platform="gpu", **options)
+    good = _masking.Call(*structs(jnp.bfloat16, d=64), platform="gpu")
+    assert _cudnn.refusal(_masking.Visibility(N, S), good) is None
+    assert _cudnn.refusal(_masking.Visibility(N, S, mask_mod=lambda b, h, i, j: j <= i), good) is None  # a dense mask
+    assert part in _cudnn.refusal(_masking.Visibility(N, S, **vis_kw), call)
+
+
+def test_kernel_paths_share_the_nan_isolation_and_empty_rows(rng, monkeypatch):
+    """A kernel that leaves NaN handling, empty rows and padding rows to the
+    dispatcher: a NaN in a key past `kv_lengths` or in another document reaches no
+    row, rows with no key are zeros (or the mean of v), rows past `q_lengths` zeros."""
+    fake = fake_kernel()
+    monkeypatch.setattr(_dispatch, "kernel_module", lambda path: fake)
+    q = rng.standard_normal((B, H, N, D))
+    k, v = rng.standard_normal((B, K, S, D)), rng.standard_normal((B, K, S, D))
+    q_ids = np.array([[0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 2, 2, 2]])
+    kv_ids = np.array([[0] * 5 + [1] * 6, [0, 0, 1, 1, 1, 1, 1, 1, 3, 3, 3]])
+    kv_lengths, q_lengths = np.array([S, 9]), np.array([N, 5])
+    v[0, :, 2] = np.nan  # document 0 of sequence 0: seen by its rows only
+    k[1, :, 10] = np.inf  # past sequence 1's kv_lengths: seen by no row
+    kw = dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids, kv_lengths=kv_lengths, q_lengths=q_lengths)
+    allowed = np_allowed((B, H, N, S), **kw)
+    for empty_rows in ("zero", "uniform"):
+        out = np.asarray(attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), implementation="pallas_tpu",
+                                   empty_rows=empty_rows, **kw))
+        assert fake.seen["interpret"] and fake.seen["finite"]
+        clean_v = np.where(np.isfinite(v), v, 0.0)
+        want, _ = np_attention(q, np.where(np.isfinite(k), k, 0.0), clean_v, mask=allowed)
+        nan_rows = np.zeros((B, H, N), bool)
+        nan_rows[0, :, :3] = True  # document 0 rows of sequence 0 see the NaN value
+        empty = ~allowed.any(-1) & (np.arange(N) < q_lengths[:, None, None])  # sequence 1, document 2
+        if empty_rows == "uniform":
+            nan_rows[1] |= empty[1]  # a uniform row averages every value of its sequence, the inf key's too
+        assert np.array_equal(np.isnan(out).any(-1), nan_rows)
+        if empty_rows == "uniform":
+            want = np.where(empty[..., None], np.repeat(clean_v.mean(-2, keepdims=True), H // K, 1), want)
+        np.testing.assert_allclose(np.where(nan_rows[..., None], 0, out), np.where(nan_rows[..., None], 0, want),
+                                   atol=1e-5)
