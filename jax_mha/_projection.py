@@ -3,11 +3,10 @@
 `projection_dot_general` is `jax.lax.dot_general` for `nn.Dense(dot_general=...)` and
 `nnx.Linear(dot_general=...)`: the same value and the same derivatives. Autodiff's
 kernel gradient `dw = xᵀ g` contracts x's *row* axis, which XLA:CPU runs on its generic
-(Eigen) kernel, 1.2-1.4x slower than the matmul it uses for row-major operands. Here the
-tangent rule reads x through a materialised xᵀ (kept by an optimization barrier from
-being folded back), so the gradient, its transpose, is a row-major matmul; it costs one
-copy of x. Measured with `MultiHeadAttention` forward+backward at (B, N, d_model, H) =
-(4, 512, 512, 8) on the 2-core CPU: 7-10% faster than plain autodiff.
+(Eigen) kernel, slower than the matmul it uses for row-major operands. Here the tangent
+rule reads x through a materialised xᵀ (kept by an optimization barrier from being
+folded back), so the gradient, its transpose, is a row-major matmul; it costs one copy
+of x (measured in docs/performance.md, "Row-major kernel gradient").
 
 A `jax.custom_jvp`, not a `custom_vjp`: `jvp`, `jacfwd` and `hessian` still work.
 """

@@ -282,7 +282,9 @@ def attention(
         index arrays of the scores' rank (scalar-style code works by broadcasting):
         `batch` the flattened index over all leading dims `B…` (row-major: for
         `B… = (2, 3)`, entry `(1, 2)` is 5), `head` the query head (0…H-1), `q_idx` the
-        query row (0…N-1; its key position is `q_idx + S - N`), `kv_idx` the key. It
+        query row (0…N-1; its key position is `q_idx + S - N`; when decoding, the
+        token's position counted from the first cached token, as in the full pass),
+        `kv_idx` the key. It
         must return the score's shape and dtype (float32, float64 for float64 inputs);
         a `-inf` masks the key. The order on the logits is: scale → `bias` →
         `score_mod` → `logits_soft_cap` → masks. Gradients reach what it closes over
@@ -292,14 +294,15 @@ def attention(
       mask_mod: `mask_mod(batch, head, q_idx, kv_idx) -> bool` (FlexAttention's), or
         None: True = may attend, AND-ed with every other part. Same index arrays; its
         result must be boolean and broadcast to the scores. The blockwise path skips
-        the key blocks it rules out: for a function of the indices alone (closing over
-        no traced value), each query block's range of key blocks holding a visible
-        key is computed once per (function, shapes) and cached, so the key loop is as
-        short as the built-in pattern's (a `mask_mod` window runs like
-        `local_window_size`); every block in range is then tested on its own
-        `(q_block, k_block)` index grid and skipped when empty. A `mask_mod` closing
-        over traced values (e.g. document ids under jit) gets only the per-block test.
-        It must be a pure function of its arguments: the cache keys on its identity.
+        the key blocks it rules out: for a function of the indices and of concrete
+        values, each query block's range of key blocks holding a visible key is
+        computed at that call from the values it reads (no cache: a global read by
+        the function may change between calls), so the key loop is as short as the
+        built-in pattern's (a `mask_mod` window runs like `local_window_size`); every
+        block in range is tested on its own `(q_block, k_block)` index grid and
+        skipped when empty. Both mods may close over anything traced (ints, bools,
+        floats, arrays, e.g. document ids under jit); a `mask_mod` that reads traced
+        values gets the per-block test only (it visits every block of the band).
       logits_soft_cap: `c > 0`: logits become `c · tanh(logits / c)` (Gemma 2), after
         `score_mod`, before masking. A static number.
       empty_rows: what a query with no visible key outputs: `"zero"` (default; zeros
@@ -316,9 +319,11 @@ def attention(
         causality, the window, the lengths or the segment ids rule out), `"cudnn"`
         (jax.nn's fused GPU kernel; reverse-mode only), `"pallas_tpu"` (splash
         attention) or `"pallas_gpu"` (the Triton FlashAttention kernel), each of
-        which runs in Pallas interpret mode off its platform and raises ValueError
-        naming a part of the description it cannot express, or `"auto"`/None
-        (`resolve_implementation`: by platform; on CPU `"xla"`).
+        which runs in Pallas interpret mode off its platform. A named path that
+        cannot run the call raises its refusal (a ValueError naming the part);
+        `"auto"`/None walks the platform's chain of kernels and takes the first that
+        does not refuse, else `"xla"`/`"blockwise"` (`resolve_implementation`;
+        docs/accelerators.md has the table).
       query_block_size: the blockwise path's block size over queries; None picks
         it (`jax_mha.blockwise.default_blocks`: 2048 x 256, 512 x 512 when causal or
         windowed, smaller for a narrow window).

@@ -12,7 +12,6 @@ transformations. Axes have distinct prime sizes so a swapped axis cannot pass.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import subprocess
 import sys
@@ -23,38 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import jax_reference, np_allowed, np_attention, x64
+from conftest import PATHS, jax_reference, normal, np_allowed, np_attention, run, x64
 
 from jax_mha import attention, attention_entropy, causal_mask
 from jax_mha._masking import Visibility, Window, key_block_band
-
-PATHS = ("xla", "blockwise", "weights", "cudnn")
-
-
-def run(path, q, k, v, **kw):
-    """`attention` on one path, jitted (arrays traced, options static); returns the
-    output only. Works under outer transformations too."""
-    if path == "cudnn" and jax.default_backend() != "gpu":
-        pytest.skip("the cudnn path needs a GPU; this backend is " + jax.default_backend())
-    arrays = {name: x for name, x in kw.items() if isinstance(x, (jax.Array, np.ndarray))}
-    static = {name: x for name, x in kw.items() if name not in arrays}
-    if path == "weights":
-        static.update(implementation="xla", return_weights=True)
-    elif path == "blockwise":
-        static.update(implementation="blockwise", query_block_size=4, key_block_size=8)
-    else:
-        static.update(implementation=path)
-    out = _jitted(tuple(sorted(static.items())))(q, k, v, arrays)
-    return out[0] if path == "weights" else out
-
-
-@functools.cache
-def _jitted(static):
-    return jax.jit(lambda q, k, v, arrays: attention(q, k, v, **arrays, **dict(static)))
-
-
-def normal(rng, shape, dtype=np.float32):
-    return jnp.asarray(rng.normal(size=shape).astype(dtype))
 
 
 def inputs(rng, batch=(2,), h=6, kv_heads=3, n=7, s=11, d=5, dtype=np.float32):

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import normal
 
 from jax_mha import (
     attention,
@@ -24,11 +25,6 @@ from jax_mha import (
 
 # B, H, N, S, D, Dv: all distinct primes.
 B, H, N, S, D, DV = 2, 3, 5, 7, 11, 13
-
-
-def normal(rng, shape, dtype=jnp.float32):
-    """Fresh standard-normal inputs (never zeros), as a jax array."""
-    return jnp.asarray(rng.standard_normal(shape), dtype)
 
 
 def qkv(rng, b=(B,), h=H, kv=H, n=N, s=S, d=D, dv=DV, dtype=jnp.float32):

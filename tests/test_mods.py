@@ -13,28 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import jax_reference, x64
+from conftest import PATHS, jax_reference, run, x64
 
 from jax_mha import attention
 from jax_mha._flash import visited_blocks
 from jax_mha._masking import Visibility, Window
 
-PATHS = ("xla", "blockwise", "weights", "cudnn")
 B, H, K, N, S, D = 2, 6, 3, 7, 11, 5
 OFFSET = S - N  # query i sits at key position i + S - N
 MAX_DIST = 4  # the T5 table's buckets: relative distances clipped to [-4, 4]
-
-
-def run(path, q, k, v, **kw):
-    """`attention` on one path (blockwise with small 4 x 8 blocks: several blocks,
-    padding and skipping all happen); the output only."""
-    if path == "cudnn" and jax.default_backend() != "gpu":
-        pytest.skip("the cudnn path needs a GPU; this backend is " + jax.default_backend())
-    if path == "weights":
-        return attention(q, k, v, implementation="xla", return_weights=True, **kw)[0]
-    if path == "blockwise":
-        kw = dict(query_block_size=4, key_block_size=8) | kw
-    return attention(q, k, v, implementation=path, **kw)
 
 
 def rel(n=N, s=S):
