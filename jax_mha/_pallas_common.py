@@ -1,93 +1,151 @@
 """Shared translation helpers for the Pallas kernel paths (`_pallas_tpu`, `_pallas_gpu`).
 
-Both kernels take one integer segment id per query and per key and let a query see a key
-only when the ids match. Lengths, padding to the kernel's block size and the library's
-segment ids all fold into that one pair of arrays, so nothing is refused for shape.
+Both kernels take integer segment ids and let a query see a key only when the ids
+match. Lengths, padding to the kernel's block size and the library's segment ids all
+fold into those arrays (`kernel_segment_ids`), so no sequence length is refused.
+`common_refusal` holds the refusals both kernels share, `without_x64` their tracing
+under `jax_enable_x64`.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_mha import _masking
 
-def refuse(path: str, *, mask, bias, return_weights, dropout_rate, deterministic) -> None:
-    """Raises ValueError naming the first part of the description `path` cannot express
-    (a kernel that silently dropped it would return wrong numbers)."""
-    if bias is not None:
-        raise ValueError(f"{path} cannot express an additive bias (got shape {np.shape(bias)}); use implementation='xla'")
-    if mask is not None:
-        raise ValueError(f"{path} cannot express a dense mask (got shape {np.shape(mask)}); "
-                         "use segment ids / lengths, or implementation='xla'")
-    if return_weights:
-        raise ValueError(f"{path} cannot return attention weights (return_weights=True); use implementation='xla'")
-    if dropout_rate and not deterministic:
-        raise ValueError(f"{path} cannot apply dropout (dropout_rate={dropout_rate}, deterministic=False); "
-                         "use implementation='xla'")
+_USE = "use implementation='xla' or 'blockwise'"
 
 
-def default_interpret(interpret, platform: str) -> bool:
-    """`interpret=None`: compile only on the kernel's own platform, interpret elsewhere."""
-    if interpret is None:
-        return jax.default_backend() != platform
-    if not isinstance(interpret, bool):
-        raise TypeError(f"interpret must be None or a bool, got {interpret!r}")
-    return interpret
+def static_int(x) -> int | None:
+    """`x` as a Python int, or None when it is traced (known only at run time)."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return int(np.asarray(x))
+
+
+def is_traced(x) -> bool:
+    """Whether `x` is a tracer (its value unknown while tracing)."""
+    return isinstance(x, jax.core.Tracer)
+
+
+def common_refusal(path: str, vis: _masking.Visibility, call: _masking.Call, *, takes: tuple = ()) -> str | None:
+    """The refusal both kernels share: the first part of `vis`/`call` that `path`
+    cannot express, as one line naming it and the path to use instead, or None.
+    `takes` lists the optional parts the kernel does express (`"logits_soft_cap"`)."""
+    name = f"implementation={path!r}"
+    home = path[len("pallas_"):]
+    if call.platform not in (home, "cpu"):
+        return f"{name} runs on a {home.upper()} (or interpreted on a CPU), this call runs on {call.platform!r}; {_USE}"
+    if call.return_weights:
+        return f"{name} never builds the weights: return_weights=True needs implementation='xla'"
+    if call.dropout:
+        return f"{name} cannot apply dropout: use implementation='xla'"
+    dtypes = {jnp.dtype(x.dtype) for x in (call.q, call.k, call.v)}
+    if len(dtypes) > 1:
+        return f"{name} needs one dtype for q, k and v, got {sorted(map(str, dtypes))}; {_USE}"
+    if jnp.dtype(call.q.dtype) == jnp.float64:
+        return f"{name} computes its softmax in float32, too coarse for float64 inputs; {_USE}"
+    h, kh = call.q.shape[-3], call.k.shape[-3]
+    if kh == 0 or h % kh:
+        return f"{name} needs kv heads K dividing query heads H, got H={h}, K={kh}; {_USE}"
+    for part, value in (("an additive bias", vis.bias), ("a dense mask", vis.mask), ("score_mod", vis.score_mod),
+                        ("mask_mod", vis.mask_mod)):
+        if value is not None:
+            return f"{name} cannot express {part} (the kernel takes no per-pair values or functions); {_USE}"
+    if vis.logits_soft_cap is not None and "logits_soft_cap" not in takes:
+        return f"{name} cannot express logits_soft_cap={vis.logits_soft_cap!r} (the kernel has no soft-cap); {_USE}"
+    if vis.q_offset is not None and is_traced(vis.q_offset):
+        return f"{name} builds its causal/window pattern at trace time: a traced query offset (decoding) is not static; {_USE}"
+    return None
+
+
+def without_x64(fn):
+    """`fn(*arrays)`, a Pallas kernel call with its own custom_vjp, traced forward and
+    backward with 64-bit types off. Both kernels mix int32 program ids with Python
+    ints in `lax.div`, which raises under `jax_enable_x64` (the ints become int64);
+    their inputs here are float32/bfloat16/float16 and int32 already."""
+
+    @jax.custom_vjp
+    def call(*args):
+        with jax.enable_x64(False):
+            return fn(*args)
+
+    def forward(*args):
+        with jax.enable_x64(False):
+            return jax.vjp(fn, *args)  # (out, the kernel's own backward as a pytree)
+
+    def backward(pull, g):
+        with jax.enable_x64(False):
+            return pull(g)
+
+    call.defvjp(forward, backward)
+    return call
+
+
+def next_pow2(x: int, least: int = 1) -> int:
+    """The smallest power of two >= max(x, least)."""
+    return max(least, 1 << max(int(x) - 1, 0).bit_length())
 
 
 def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def kernel_segment_ids(batch, n, s, n_pad, s_pad, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths):
-    """Per-(flat batch) int32 ids `(B, n_pad)`, `(B, s_pad)` that encode segments, lengths
-    and padding together, plus a bool `(B, n_pad)` "may this query see any id-matching
-    key at all" used to zero empty rows.
+def flat_batch(q, k, v):
+    """q `(B…, H, N, D)`, k `(B…, K, S, D)`, v `(B…, K, S, Dv)` broadcast to one batch
+    shape and flattened: `(batch, (b, H, N, D), (b, K, S, D), (b, K, S, Dv))`."""
+    batch = tuple(jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
+    b = math.prod(batch)
+    flat = lambda x: jnp.broadcast_to(x, batch + x.shape[-3:]).reshape((b,) + x.shape[-3:])
+    return batch, flat(q), flat(k), flat(v)
+
+
+def flat_ids(vis: _masking.Visibility, batch: tuple):
+    """The description's segment ids flattened over `batch`: int32 `(b, N)` and
+    `(b, S)`, or None when unsegmented."""
+    if not vis.segmented:
+        return None
+    b = math.prod(batch)
+    q_ids = jnp.broadcast_to(vis.q_segment_ids[..., 0], batch + (1, vis.n)).reshape(b, vis.n)  # (b, N)
+    kv_ids = jnp.broadcast_to(vis.kv_segment_ids[..., 0, :], batch + (1, vis.s)).reshape(b, vis.s)  # (b, S)
+    return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+
+
+def sentinels(ids):
+    """`(q sentinel, kv sentinel)` int32 `(b, 1)`: two values below every id in `ids`
+    (a pair of `(b, ·)` arrays, or None) and below 0, so they never match a real id."""
+    lo = jnp.zeros((), jnp.int32) if ids is None else jnp.minimum(jnp.min(ids[0], axis=1, initial=0),
+                                                                   jnp.min(ids[1], axis=1, initial=0))[:, None]
+    return lo - 1, lo - 2
+
+
+def kernel_segment_ids(vis: _masking.Visibility, batch: tuple, n_pad: int, s_pad: int):
+    """Per-(flat batch) int32 ids `(b, n_pad)`, `(b, s_pad)` that encode segments,
+    lengths and padding together.
 
     Padding and out-of-length positions get sentinels below every real id (queries one
     value, keys another) so they never match anything: a padded or cut query then sees
-    no key (its row is zeroed) and a padded or cut key is seen by nobody.
+    no key (the dispatcher fills that row) and a padded or cut key is seen by nobody.
     """
-    b = int(np.prod(batch, dtype=np.int64))
-    if kv_segment_ids is None and n == s:
-        kv_segment_ids = q_segment_ids  # self-attention: the library's default
-    qs = jnp.zeros((*batch, n), jnp.int32) if q_segment_ids is None else jnp.asarray(q_segment_ids)
-    ks = jnp.zeros((*batch, s), jnp.int32) if kv_segment_ids is None else jnp.asarray(kv_segment_ids)
-    for name, ids, want in (("q_segment_ids", qs, (*batch, n)), ("kv_segment_ids", ks, (*batch, s))):
-        if not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise TypeError(f"{name} must be an integer array, got dtype {ids.dtype}")
-        if ids.shape != tuple(want) and np.broadcast_shapes(ids.shape, want) != tuple(want):
-            raise ValueError(f"{name} must broadcast to {tuple(want)}, got shape {ids.shape}")
-    qs = jnp.broadcast_to(qs, (*batch, n)).reshape(b, n).astype(jnp.int32)
-    ks = jnp.broadcast_to(ks, (*batch, s)).reshape(b, s).astype(jnp.int32)
-    lo = jnp.minimum(jnp.min(qs, axis=1, initial=0), jnp.min(ks, axis=1, initial=0))[:, None]
-    q_sent, kv_sent = lo - 1, lo - 2
-    if q_lengths is not None:
-        ql = jnp.broadcast_to(jnp.asarray(q_lengths), batch).reshape(b, 1)
-        qs = jnp.where(jnp.arange(n)[None] < ql, qs, q_sent)
-    if kv_lengths is not None:
-        kl = jnp.broadcast_to(jnp.asarray(kv_lengths), batch).reshape(b, 1)
-        ks = jnp.where(jnp.arange(s)[None] < kl, ks, kv_sent)
+    b, n, s = math.prod(batch), vis.n, vis.s
+    ids = flat_ids(vis, batch)
+    qs, ks = (jnp.zeros((b, n), jnp.int32), jnp.zeros((b, s), jnp.int32)) if ids is None else ids
+    q_sent, kv_sent = (jnp.broadcast_to(x, (b, 1)) for x in sentinels(ids))
+    qs = _cut(qs, vis.q_lengths, batch, q_sent)
+    ks = _cut(ks, vis.kv_lengths, batch, kv_sent)
     qs = jnp.concatenate([qs, jnp.broadcast_to(q_sent, (b, n_pad - n))], axis=1)
     ks = jnp.concatenate([ks, jnp.broadcast_to(kv_sent, (b, s_pad - s))], axis=1)
     return qs, ks
 
 
-def row_has_key(qs, ks, n, s, is_causal, window):
-    """bool `(B, n_pad)`: True where query i may see at least one key under segment ids,
-    causality and the window (bottom-right offset S - N). O(N·S) booleans without
-    gradient: the kernels give a finite average of V for an empty row, never zeros."""
-    n_pad, s_pad = qs.shape[1], ks.shape[1]
-    pos = jnp.arange(n_pad)[:, None] + (s - n)
-    key = jnp.arange(s_pad)[None, :]
-    ok = jnp.ones((n_pad, s_pad), bool)
-    if is_causal:
-        ok &= key <= pos
-    if window is not None:
-        if window.left is not None:
-            ok &= key >= pos - window.left
-        if window.right is not None:
-            ok &= key <= pos + window.right
-    same = qs[:, :, None] == ks[:, None, :]
-    return jnp.any(same & ok[None], axis=-1)
+def _cut(ids, lengths, batch: tuple, sentinel):
+    """`ids (b, L)` with the positions at or past `lengths` (int32 `(B…|1, 1, 1, 1)`,
+    or None) set to `sentinel (b, 1)`."""
+    if lengths is None:
+        return ids
+    cut = jnp.broadcast_to(lengths.reshape(lengths.shape[:-3]), batch).reshape(-1, 1)  # (b, 1)
+    return jnp.where(jnp.arange(ids.shape[1], dtype=jnp.int32)[None] < cut, ids, sentinel)

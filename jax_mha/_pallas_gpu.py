@@ -2,131 +2,245 @@
 Triton FlashAttention kernel (`jax.experimental.pallas.ops.gpu.attention.mha`, layout
 `(batch, seq, heads, head_dim)`, reached here by transposes).
 
-Supported: causal with the library's bottom-right offset (the kernel's causal is
-top-left, `q_pos >= k_pos`, so queries are shifted by padding: S > N puts S - N dummy
-queries in front, N > S puts N - S never-matching keys in front), segment ids for
-self-attention, GQA/MQA (k/v heads repeated: the kernel has no native grouping), any N
-and S (padded to the block with an id no real token has).
-Refused with a ValueError naming the part: a window, lengths, distinct q/kv segment ids
-(the kernel reads ONE segment-id array for queries and keys), an additive bias, a dense
-mask, return_weights, dropout with deterministic=False, soft-cap.
+The kernel knows one sequence axis: query and key positions are compared on it (its
+causal rule is top-left, `q_pos >= k_pos`) and ONE segment-id array is read at both
+(a query takes the id of the key at its position). The translation (`layout`):
 
-Transformations: jit, vmap, grad, vjp (the kernel has a custom_vjp). Forward mode (jvp,
-jacfwd) raises JAX's `TypeError: can't apply forward-mode autodiff (jvp) to a
-custom_vjp function.` at trace time (tested); use implementation='xla' for jvp/jacfwd. On anything but a GPU the
-kernel runs in Pallas interpret mode: a correctness tool, very slow.
+* causal, bottom-right: query i sits at key position i + offset (offset = S - N by
+  default, or a static `q_offset` with N + offset <= S). Rows with i + offset < 0 see
+  no key and are not computed; for offset > 0 the first `offset` positions hold dummy
+  queries, computed and dropped: the kernel takes no offset, and splitting the keys
+  into a fully visible part and a causal part would need the kernel's log-sum-exp,
+  which its custom_vjp does not differentiate;
+* not causal: the queries sit on the keys' positions, in chunks of at most S rows
+  folded into the batch when N > S (a query on a padding key's position would take its
+  never-matching id);
+* both lengths are padded to multiples of power-of-two blocks (Triton's lowering takes
+  only power-of-two tiles); padding keys carry an id no real token has. A query that
+  does not need the keys' length is not padded to it; the fused backward then pairs
+  each block of up to 128 keys with a block of queries;
+* segment ids: the kernel reads the keys' ids at every query's position, so a query
+  whose own id differs from that (distinct query and key ids) cannot be expressed. With
+  concrete ids `refusal` checks it; traced ids are taken only for self-attention
+  (N == S, query i at position i), and a row whose ids disagree comes back NaN;
+* GQA/MQA: k/v heads are repeated, because the kernel's BlockSpecs index q and k/v by
+  the same head.
+
+Refused (`refusal`, one line naming the part): a window, kv_lengths (one id array
+cannot cut keys while the queries at those positions stay), an additive bias, a dense
+mask, score_mod/mask_mod, logits_soft_cap, return_weights, dropout, a traced query
+offset, float64 (the kernel's softmax is float32), Dv != D, and on a GPU head_dim
+outside 9..256 (interpret mode takes any).
+q_lengths need nothing: the dispatcher zeroes the rows past them.
+
+Float32 inputs: on a GPU the kernel's dots run at JAX's default matmul precision
+(TF32 on recent NVIDIA GPUs). Transformations: jit, vmap, grad, vjp (a custom_vjp,
+which also traces the kernel with 64-bit types off: `without_x64`).
+Forward mode raises JAX's `TypeError: can't apply forward-mode autodiff (jvp) to a
+custom_vjp function.`; use implementation='xla' for jvp/jacfwd.
 """
 
 from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_mha import _masking
-from jax_mha._pallas_common import default_interpret, refuse, round_up, row_has_key
+from jax_mha._pallas_common import (
+    common_refusal,
+    flat_batch,
+    flat_ids,
+    is_traced,
+    next_pow2,
+    round_up,
+    sentinels,
+    static_int,
+    without_x64,
+)
 
-# The kernel's own default forward block (BlockSizes.get_default(): 128 x 128).
-DEFAULT_BLOCK = 128
-MIN_BLOCK = 16  # smallest tile Triton's tl.dot accepts
+NAME = "implementation='pallas_gpu'"
+DEFAULT_BLOCK = 128  # the kernel's own forward block (BlockSizes.get_default())
+MIN_BLOCK = 16  # the smallest tile Triton's tl.dot takes
+# Backward: a dK/dV program holds BWD_OUTER keys and sweeps the queries BWD_INNER at a
+# time, a dQ program the reverse: the shape of Triton's FlashAttention-2 tutorial
+# (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2 = 32, 128, 128, 32).
+BWD_OUTER, BWD_INNER = 128, 32
+MAX_HEAD_DIM = 256
 
 
+class Layout(NamedTuple):
+    """Where the computed queries and the keys sit on the kernel's sequence axis.
 
-def _same_ids(a, b) -> bool:
-    if a is None or b is None or a is b:
-        return True
-    if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
-        return False
-    return np.shape(a) == np.shape(b) and bool(np.array_equal(np.asarray(a), np.asarray(b)))
-
-
-def pallas_gpu_attention(q, k, v, *, scale, is_causal, local_window_size, q_segment_ids, kv_segment_ids,
-                         q_lengths, kv_lengths, mask, bias, return_weights, dropout_rate, deterministic,
-                         interpret=None, logits_soft_cap=None, block_size=None):
-    """Triton FlashAttention for q `(B…, H, N, D)`, k/v `(B…, K, S, D)`; returns
-    `(B…, H, N, D)` in q's dtype. Rows that may see no key give zeros.
-
-    `interpret=None` compiles on GPU and interprets elsewhere. Reverse mode only: jvp and
-    jacfwd raise JAX's custom_vjp TypeError. Segment ids must be one array for queries and keys (the same
-    object, or equal concrete arrays): the kernel indexes a single array by both.
-
-    Raises:
-      ValueError: for any part listed as refused in the module docstring, mismatched
-        shapes, or K not dividing H. TypeError: non-integer segment ids, non-bool interpret.
+    Attributes:
+      skip: leading query rows not computed (causal, they see no key).
+      front: dummy query positions before the first computed row (causal offset > 0).
+      chunks: query chunks folded into the batch (not causal, N > S).
+      rows: computed query rows per chunk.
+      t_q, t_k: the kernel's query and key lengths.
+      sizes: the kernel's `BlockSizes` fields, in order.
     """
-    refuse("pallas_gpu", mask=mask, bias=bias, return_weights=return_weights,
-           dropout_rate=dropout_rate, deterministic=deterministic)
-    if _masking.canonical_window(local_window_size) is not None:
-        raise ValueError(f"pallas_gpu cannot express a local window (got local_window_size={local_window_size!r}); "
-                         "use implementation='pallas_tpu' or 'xla'")
-    if q_lengths is not None or kv_lengths is not None:
-        raise ValueError("pallas_gpu cannot express q_lengths/kv_lengths (its one segment-id array serves queries "
-                         "and keys alike); use implementation='xla' or 'blockwise'")
-    if logits_soft_cap is not None:
-        raise ValueError(f"pallas_gpu cannot express logits_soft_cap={logits_soft_cap!r}; use implementation='xla'")
-    interpret = default_interpret(interpret, "gpu")
-    if q.ndim < 3 or k.ndim != q.ndim or v.ndim != q.ndim:
-        raise ValueError(f"pallas_gpu needs q (B…, H, N, D), k/v (B…, K, S, D) of one rank, got "
-                         f"{q.shape}, {k.shape}, {v.shape}")
-    *batch, h, n, d = q.shape
-    kh, s = k.shape[-3], k.shape[-2]
-    if tuple(k.shape[:-3]) != tuple(batch) or v.shape != k.shape or k.shape[-1] != d:
-        raise ValueError(f"pallas_gpu needs matching batch dims and head_dim, got q {q.shape}, k {k.shape}, v {v.shape}")
-    if kh == 0 or h % kh:
-        raise ValueError(f"pallas_gpu needs kv heads K dividing query heads H, got H={h}, K={kh}")
-    if (q_segment_ids is not None or kv_segment_ids is not None) and n != s:
-        raise ValueError(f"pallas_gpu takes segment ids only for self-attention (N == S), got N={n}, S={s}")
-    if not _same_ids(q_segment_ids, kv_segment_ids):
-        raise ValueError("pallas_gpu's kernel reads one segment-id array for queries and keys: q_segment_ids and "
-                         "kv_segment_ids must be the same array; use implementation='pallas_tpu' or 'xla'")
-    ids = q_segment_ids if q_segment_ids is not None else kv_segment_ids
-    if n == 0 or s == 0:
-        return jnp.zeros(q.shape, q.dtype)
-    b = int(np.prod(batch, dtype=np.int64))
 
-    # Bottom-right causal on a top-left kernel: query i sits at key position i + S - N.
-    q_front, k_front = max(s - n, 0), max(n - s, 0)
-    length = max(n, s)
-    block = min(block_size or DEFAULT_BLOCK, round_up(length, MIN_BLOCK))
-    total = round_up(length, block)
-    if ids is None:
-        seg = jnp.zeros((b, length), jnp.int32)
+    skip: int
+    front: int
+    chunks: int
+    rows: int
+    t_q: int
+    t_k: int
+    sizes: tuple
+
+
+def layout(n: int, s: int, is_causal: bool, offset: int) -> Layout:
+    """The static placement for N queries, S keys and the query offset (an int)."""
+    if is_causal:
+        skip = min(max(-offset, 0), n)
+        front, chunks, rows = max(offset, 0), 1, n - skip
     else:
-        if not jnp.issubdtype(jnp.asarray(ids).dtype, jnp.integer):
-            raise TypeError(f"segment ids must be an integer array, got dtype {jnp.asarray(ids).dtype}")
-        if np.broadcast_shapes(np.shape(ids), (*batch, n)) != (*batch, n):
-            raise ValueError(f"segment ids must broadcast to {(*batch, n)}, got shape {np.shape(ids)}")
-        seg = jnp.broadcast_to(jnp.asarray(ids), (*batch, n)).reshape(b, n).astype(jnp.int32)
-    sentinel = jnp.min(seg, axis=1, keepdims=True, initial=0) - 1
-    # Front keys (N > S) and tail padding carry an id no real token has: never seen.
-    seg = jnp.concatenate([jnp.broadcast_to(sentinel, (b, k_front)), seg,
-                           jnp.broadcast_to(sentinel, (b, total - length))], axis=1)
-    need_ids = ids is not None or k_front > 0 or total > length
+        skip = front = 0
+        rows = min(n, s)
+        chunks = -(-n // rows)
+    block_k = min(DEFAULT_BLOCK, next_pow2(s, MIN_BLOCK))
+    t_k = round_up(s, block_k)
+    # The fused backward gives one program a block of keys AND a block of queries:
+    # both sides need the same number of blocks.
+    bwd_k = min(BWD_OUTER, t_k)
+    programs = t_k // bwd_k
+    bwd_q = next_pow2(-(-(front + rows) // programs), MIN_BLOCK)
+    t_q = programs * bwd_q
+    block_q = min(DEFAULT_BLOCK, t_q & -t_q)  # the largest power of two dividing t_q
+    sizes = (block_q, block_k, min(BWD_INNER, bwd_q), bwd_k, bwd_q, min(BWD_INNER, bwd_k))
+    return Layout(skip, front, chunks, rows, t_q, t_k, sizes)
 
-    qf = jnp.pad(q.reshape(b, h, n, d), ((0, 0), (0, 0), (q_front, total - n - q_front), (0, 0)))
-    kf = jnp.repeat(k.reshape(b, kh, s, d), h // kh, axis=1)
-    vf = jnp.repeat(v.reshape(b, kh, s, d), h // kh, axis=1)
-    kf = jnp.pad(kf, ((0, 0), (0, 0), (k_front, total - s - k_front), (0, 0)))
-    vf = jnp.pad(vf, ((0, 0), (0, 0), (k_front, total - s - k_front), (0, 0)))
 
+def positions(lay: Layout, n: int) -> np.ndarray:
+    """int `(N - skip,)`: the kernel position (within its chunk) of each computed row."""
+    return lay.front + np.arange(n - lay.skip) % max(lay.rows, 1)
+
+
+def refusal(vis: _masking.Visibility, call: _masking.Call) -> str | None:
+    """Why the Triton kernel cannot run this call (one line naming the part and the
+    path to use instead), or None. See the module docstring for the list."""
+    why = common_refusal("pallas_gpu", vis, call)
+    if why is not None:
+        return why
+    use = "use implementation='xla' or 'blockwise'"
+    d, dv = call.q.shape[-1], call.v.shape[-1]
+    if dv != d:
+        return f"{NAME} needs equal q/k and v head dims, got {d} and {dv}; {use}"
+    if call.platform == "gpu" and (next_pow2(d) < MIN_BLOCK or d > MAX_HEAD_DIM):  # compiled only
+        return f"{NAME} needs head_dim in 9..{MAX_HEAD_DIM} on a GPU (Triton's dot tiles), got D={d}; {use}"
+    if vis.window is not None:
+        return f"{NAME} cannot express a local window {tuple(vis.window)}; use 'pallas_tpu' on a TPU, 'xla' or 'blockwise'"
+    if vis.kv_lengths is not None:
+        return f"{NAME} cannot express kv_lengths (its one segment-id array serves queries and keys alike); {use}"
+    n, s = vis.n, vis.s
+    if n == 0 or s == 0:
+        return None
+    offset = static_int(vis.offset)
+    if vis.is_causal and -offset < n and n + offset > s:
+        return (f"{NAME} places queries on the keys' axis: q_offset={offset} puts causal queries past the last key "
+                f"(N + offset = {n + offset} > S = {s}); {use}")
+    return _segment_refusal(vis, layout(n, s, vis.is_causal, offset))
+
+
+def _segment_refusal(vis: _masking.Visibility, lay: Layout) -> str | None:
+    """Refuses segment ids the kernel's one array cannot carry (see the module docstring)."""
+    if not vis.segmented:
+        return None
+    n, s = vis.n, vis.s
+    pos = positions(lay, n)
+    if is_traced(vis.q_segment_ids) or is_traced(vis.kv_segment_ids):
+        if n == s and np.array_equal(pos, np.arange(lay.skip, n)):
+            return None  # self-attention: checked at run time (NaN rows where the ids differ)
+        return (f"{NAME} reads one segment-id array for queries and keys; with N={n}, S={s} and traced ids it "
+                "cannot check that each query's id is the id of the key at its position; use 'xla' or 'blockwise'")
+    q_ids = np.asarray(vis.q_segment_ids)[..., 0, :, 0]  # (B…|1, N)
+    kv_ids = np.asarray(vis.kv_segment_ids)[..., 0, 0, :]  # (B…|1, S)
+    q_ids, kv_ids = np.broadcast_arrays(q_ids[..., lay.skip:], kv_ids[..., pos])
+    bad = np.argwhere(q_ids != kv_ids)
+    if len(bad):
+        i = tuple(bad[0])
+        return (f"{NAME} reads one segment-id array for queries and keys: query row {i[-1] + lay.skip} has id "
+                f"{q_ids[i]} but sits on key {pos[i[-1]]} of id {kv_ids[i]}; use 'xla' or 'blockwise'")
+    return None
+
+
+def run(q, k, v, vis: _masking.Visibility, *, scale: float, interpret: bool) -> jax.Array:
+    """Triton FlashAttention of finite q `(B…, H, N, D)`, k `(B…, K, S, D)`,
+    v `(B…, K, S, D)` under `vis` (for which `refusal` returned None).
+
+    Returns:
+      out `(B…, H, N, D)` in q's dtype. Rows with no visible key hold anything
+      finite (the dispatcher fills them); rows whose query and key segment ids
+      disagree at the query's position (traced ids only) are NaN.
+    """
+    batch, qf, kf, vf = flat_batch(q, k, v)  # (b, H, N, D), (b, K, S, D)
+    b, h, n, d = qf.shape
+    lay = layout(n, kf.shape[2], vis.is_causal, static_int(vis.offset))
+    if lay.rows == 0:  # causal, every query before the first key
+        return jnp.zeros(batch + (h, n, d), q.dtype)
+    ids, wrong = _kernel_ids(vis, batch, lay)
+    config = (float(scale), bool(vis.is_causal), lay.sizes, bool(interpret))
+    kernel = without_x64(functools.partial(_mha, config=config))
+    out = kernel(_queries_in(qf, lay), _keys_in(kf, h, lay), _keys_in(vf, h, lay), ids)
+    out = _queries_out(out, lay, n)  # (b, H, N, D)
+    if wrong is not None:
+        out = jnp.where(wrong[:, None, :, None], jnp.nan, out)
+    return out.reshape(batch + (h, n, d)).astype(q.dtype)
+
+
+def _kernel_ids(vis: _masking.Visibility, batch: tuple, lay: Layout):
+    """`(ids (b·chunks, t_k) int32 or None, wrong (b, N) bool or None)`: the one id
+    array (the keys' ids, padding keys a sentinel) and the rows whose own id is not the
+    id at their position."""
+    b, s = math.prod(batch), vis.s
+    ids = flat_ids(vis, batch)
+    if ids is None and lay.t_k == s:
+        return None, None
+    kv = jnp.zeros((b, s), jnp.int32) if ids is None else ids[1]
+    kv = jnp.concatenate([kv, jnp.broadcast_to(sentinels(ids)[1], (b, lay.t_k - s))], axis=1)  # (b, t_k)
+    wrong = None
+    if ids is not None:
+        wrong = ids[0][:, lay.skip:] != kv[:, positions(lay, vis.n)]  # (b, N - skip)
+        wrong = jnp.pad(wrong, ((0, 0), (lay.skip, 0)))
+    return jnp.repeat(kv, lay.chunks, axis=0), wrong
+
+
+def _queries_in(q, lay: Layout):
+    """`(b, H, N, D)` -> the kernel's `(b·chunks, t_q, H, D)`."""
+    b, h, _, d = q.shape
+    x = q[:, :, lay.skip:]
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, lay.chunks * lay.rows - x.shape[2]), (0, 0)))
+    x = x.reshape(b, h, lay.chunks, lay.rows, d)
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (lay.front, lay.t_q - lay.front - lay.rows), (0, 0)))
+    return x.transpose(0, 2, 3, 1, 4).reshape(b * lay.chunks, lay.t_q, h, d)
+
+
+def _queries_out(out, lay: Layout, n: int):
+    """The kernel's `(b·chunks, t_q, H, D)` -> `(b, H, N, D)`, skipped rows zero."""
+    _, t, h, d = out.shape
+    x = out.reshape(-1, lay.chunks, t, h, d)[:, :, lay.front:lay.front + lay.rows]
+    x = x.transpose(0, 3, 1, 2, 4).reshape(x.shape[0], h, lay.chunks * lay.rows, d)[:, :, :n - lay.skip]
+    return jnp.pad(x, ((0, 0), (0, 0), (lay.skip, 0), (0, 0)))
+
+
+def _keys_in(x, h: int, lay: Layout):
+    """k or v `(b, K, S, D)` -> the kernel's `(b·chunks, t_k, H, D)`: heads repeated
+    (the kernel has no grouping), padded, and broadcast over the query chunks."""
+    b, kh, s, d = x.shape
+    x = jnp.repeat(x, h // kh, axis=1).transpose(0, 2, 1, 3)  # (b, S, H, D)
+    x = jnp.pad(x, ((0, 0), (0, lay.t_k - s), (0, 0), (0, 0)))
+    x = jnp.broadcast_to(x[:, None], (b, lay.chunks) + x.shape[1:])
+    return x.reshape((b * lay.chunks,) + x.shape[2:])
+
+
+def _mha(q, k, v, ids, *, config):
     from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 
-    sizes = gpu_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=min(32, block),
-                                     block_kv_dkv=min(32, block), block_q_dq=min(32, block),
-                                     block_kv_dq=min(32, block))
-
-    def run(a, b_, c, sg):
-        t = lambda x: jnp.swapaxes(x, 1, 2)  # (B, H, T, D) <-> the kernel's (B, T, H, D)
-        out = gpu_attention.mha(t(a), t(b_), t(c), sg if need_ids else None, sm_scale=float(scale),
-                                causal=bool(is_causal), block_sizes=sizes, interpret=interpret)
-        return t(out)
-
-    out = run(qf, kf, vf, seg)[:, :, q_front:q_front + n]
-    # Rows that see no key (causal N > S, padding): the kernel would average V; zero them.
-    q_ids = seg[:, k_front:k_front + n]
-    kv_ids = seg[:, k_front:k_front + s] if n == s else jnp.zeros((b, s), jnp.int32)
-    if ids is None:
-        q_ids, kv_ids = jnp.zeros((b, n), jnp.int32), jnp.zeros((b, s), jnp.int32)
-    has_key = jax.lax.stop_gradient(row_has_key(q_ids, kv_ids, n, s, is_causal, None))
-    out = jnp.where(has_key[:, None, :, None], out, 0).astype(q.dtype)
-    return out.reshape(q.shape)
+    scale, causal, sizes, interpret = config
+    return gpu_attention.mha(q, k, v, ids, sm_scale=scale, causal=causal,
+                             block_sizes=gpu_attention.BlockSizes(*sizes), interpret=interpret)

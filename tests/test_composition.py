@@ -159,8 +159,8 @@ REFUSES = {
     "pallas_tpu": {"bias": "bias", "mask": "mask", "score_mod": "score_mod", "mask_mod": "mask_mod",
                    "dropout": "dropout"},
     "pallas_gpu": {"bias": "bias", "mask": "mask", "score_mod": "score_mod", "mask_mod": "mask_mod",
-                   "dropout": "dropout", "soft_cap": "soft_cap", "window": "window", "q_lengths": "lengths",
-                   "kv_lengths": "lengths"},
+                   "dropout": "dropout", "soft_cap": "soft_cap", "window": "window", "kv_lengths": "lengths",
+                   "segments": "segment-id array"},
 }
 
 

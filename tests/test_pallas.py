@@ -1,6 +1,9 @@
 """The Pallas kernel paths (`pallas_tpu` = splash, `pallas_gpu` = Triton mha) in Pallas
-interpret mode against the float64 reference, on the smallest shapes that still tile
-(at least 2x2 blocks of 128, or a non-multiple of the block to exercise padding)."""
+interpret mode against the float64 reference, on tiny prime-sized shapes that still
+cover several blocks, padding, chunking and offsets. Each kernel's `run` is checked as
+the dispatcher uses it (rows with no visible key zeroed afterwards); `refusal` is
+checked part by part; `attention(implementation=...)` end to end (NaN isolation,
+caching across traces). Lowering for the real devices: tests/test_lowering.py."""
 
 from __future__ import annotations
 
@@ -9,213 +12,325 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_mha import attention
-from jax_mha._pallas_gpu import pallas_gpu_attention
-from jax_mha._pallas_tpu import pallas_tpu_attention
+from jax_mha import _masking, _pallas_gpu, _pallas_tpu, attention
 from tests.conftest import jax_reference, np_allowed, np_attention, x64
 
-KERNELS = {"pallas_tpu": pallas_tpu_attention, "pallas_gpu": pallas_gpu_attention}
-BASE = dict(scale=None, is_causal=False, local_window_size=None, q_segment_ids=None, kv_segment_ids=None,
-            q_lengths=None, kv_lengths=None, mask=None, bias=None, return_weights=False, dropout_rate=0.0,
-            deterministic=True, interpret=True)
+KERNELS = {"pallas_tpu": _pallas_tpu, "pallas_gpu": _pallas_gpu}
+SCALE = 0.3
 
 
-def _inputs(rng, batch, h, kh, n, s, d=64):
+def _vis(batch, h, n, s, *, is_causal=False, window=None, q_ids=None, kv_ids=None, q_lengths=None, kv_lengths=None,
+         **extra):
+    """The description `attention` would build for these parts."""
+    rank = len(batch)
+    q_seg, kv_seg = _masking.segments_at_rank(None if q_ids is None else jnp.asarray(q_ids),
+                                              None if kv_ids is None else jnp.asarray(kv_ids), rank)
+    return _masking.Visibility(
+        n, s, is_causal, _masking.canonical_window(window), q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+        q_lengths=_masking.lengths_at_rank(q_lengths, rank), kv_lengths=_masking.lengths_at_rank(kv_lengths, rank),
+        batch_shape=tuple(batch), num_heads=h, **extra)
+
+
+def _inputs(rng, batch, h, kh, n, s, d=16, dv=None):
     q = rng.standard_normal((*batch, h, n, d)).astype(np.float32)
     k = rng.standard_normal((*batch, kh, s, d)).astype(np.float32)
-    v = rng.standard_normal((*batch, kh, s, d)).astype(np.float32)
+    v = rng.standard_normal((*batch, kh, s, dv or d)).astype(np.float32)
     return q, k, v
 
 
-def _call(name, q, k, v, **kw):
-    args = {**BASE, **kw}
-    if args["scale"] is None:
-        args["scale"] = 1.0 / np.sqrt(q.shape[-1])
-    return KERNELS[name](q, k, v, **args)
+def _dispatched(mod, q, k, v, vis):
+    """`run` as the dispatcher uses it: refusal None first, rows with no key zeroed after."""
+    assert mod.refusal(vis, _masking.Call(q, k, v)) is None
+    out = mod.run(q, k, v, vis, scale=SCALE, interpret=True)
+    assert out.shape == q.shape[:-1] + v.shape[-1:] and out.dtype == q.dtype
+    empty, _ = _masking.dense_rows(vis, jnp.zeros(k.shape[:-1], bool), q.shape[-3])
+    return jnp.where(empty[..., None], 0.0, out.astype(jnp.float32))
 
 
-def _np_segments(qs, ks):
-    """`(B…, 1, N, S)` same-segment pattern, broadcast over heads."""
-    return (np.asarray(qs)[..., :, None] == np.asarray(ks)[..., None, :])[..., None, :, :]
+def _np_offset_allowed(n, s, offset, is_causal, window):
+    """`(N, S)` pattern with query i at key position i + offset, in NumPy."""
+    pos, key = np.arange(n)[:, None] + offset, np.arange(s)[None, :]
+    ok = np.ones((n, s), bool)
+    if is_causal:
+        ok &= key <= pos
+    if window is not None:
+        ok &= (key >= pos - window[0]) & (key <= pos + window[1])
+    return ok
 
 
-# (kernel, batch, H, K, N, S, parts): each kernel only for the parts it claims.
+def _segments(rng, batch, n, s, kind):
+    if kind == "packed":  # self-attention, three documents
+        ids = np.broadcast_to(np.repeat(np.arange(3), [n // 4, n // 2, n - n // 4 - n // 2]), (*batch, n))
+        return ids, ids
+    return rng.integers(0, 3, (*batch, n)), rng.integers(0, 3, (*batch, s))
+
+
+# (kernel, batch, H, K, N, S, parts, why): each kernel only for what it expresses.
 CASES = [
-    ("pallas_tpu", (1,), 4, 2, 128, 256, dict(is_causal=True)),                   # GQA, S > N bottom-right
-    ("pallas_tpu", (1,), 2, 2, 256, 256, dict(local_window_size=(16, 8))),         # window both sides
-    ("pallas_tpu", (1,), 3, 1, 256, 256, dict(is_causal=True, local_window_size=(20, None))),  # MQA, left
-    ("pallas_tpu", (1,), 2, 2, 256, 256, dict(local_window_size=(None, 5))),       # window right only
-    ("pallas_tpu", (2,), 2, 1, 200, 136, dict(segments="unsorted", q_lengths=(150, 200), kv_lengths=(136, 70))),
-    ("pallas_tpu", (1,), 2, 2, 256, 256, dict(is_causal=True, segments="packed")),
-    ("pallas_gpu", (1,), 2, 2, 128, 256, dict(is_causal=True)),
-    ("pallas_gpu", (1,), 6, 2, 200, 200, dict(is_causal=True, segments="packed")),  # GQA + padding
-    ("pallas_gpu", (2,), 2, 2, 256, 256, dict(segments="unsorted")),
+    ("pallas_tpu", (1,), 4, 2, 37, 131, dict(is_causal=True), "GQA, S > N bottom-right, two key blocks"),
+    ("pallas_tpu", (1,), 3, 1, 131, 131, dict(is_causal=True, window=(20, None)), "MQA, left window, two blocks"),
+    ("pallas_tpu", (2,), 2, 1, 67, 41, dict(segments="distinct", q_lengths=(50, 67), kv_lengths=(41, 19), dv=8),
+     "distinct q/kv ids, both lengths, Dv != D"),
+    ("pallas_tpu", (1,), 2, 2, 29, 61, dict(is_causal=True, window=(7, 3), q_offset=-3), "static offset, empty rows"),
+    ("pallas_gpu", (1,), 2, 1, 37, 17, {}, "N > S, padded keys: query chunks folded into the batch"),
+    ("pallas_gpu", (1,), 2, 2, 64, 32, {}, "N > S, no key padding (was: half the rows wrong)"),
+    ("pallas_gpu", (1,), 2, 2, 17, 37, dict(is_causal=True), "causal S > N: dummy queries in front"),
+    ("pallas_gpu", (2,), 4, 2, 41, 41, dict(is_causal=True, segments="packed", q_lengths=(41, 30)),
+     "GQA, packed documents, q_lengths"),
+    ("pallas_gpu", (1,), 2, 1, 13, 37, dict(is_causal=True, q_offset=10), "static offset inside the keys"),
 ]
 
 
-def _segments(rng, kind, batch, n, s):
-    if kind == "packed":
-        cut = np.sort(rng.choice(np.arange(1, n), 3, replace=False))
-        ids = np.searchsorted(cut, np.arange(n), side="right")
-        qs = np.broadcast_to(ids, (*batch, n)).astype(np.int32)
-        return qs, qs
-    qs = rng.integers(0, 3, (*batch, n)).astype(np.int32)
-    return qs, (qs if n == s else rng.integers(0, 3, (*batch, s)).astype(np.int32))
-
-
-@pytest.mark.parametrize("name,batch,h,kh,n,s,parts", CASES,
-                         ids=[f"{c[0]}-{c[3]}of{c[2]}-{c[4]}x{c[5]}-{'-'.join(c[6])}" for c in CASES])
-def test_forward_matches_float64(rng, name, batch, h, kh, n, s, parts):
-    q, k, v = _inputs(rng, batch, h, kh, n, s)
+@pytest.mark.parametrize("name,batch,h,kh,n,s,parts,why", CASES, ids=[f"{c[0]}-{c[4]}x{c[5]}" for c in CASES])
+def test_forward_matches_float64(rng, name, batch, h, kh, n, s, parts, why):
     parts = dict(parts)
-    allowed = np_allowed((*batch, h, n, s), is_causal=parts.get("is_causal", False),
-                         window=parts.get("local_window_size"), q_lengths=parts.get("q_lengths"),
-                         kv_lengths=parts.get("kv_lengths"))
+    q, k, v = _inputs(rng, batch, h, kh, n, s, dv=parts.pop("dv", None))
     kind = parts.pop("segments", None)
     if kind:
-        qs, ks = _segments(rng, kind, batch, n, s)
-        seg = jnp.asarray(qs)
-        # The GPU kernel reads one array for both sides: hand it the same object.
-        parts.update(q_segment_ids=seg, kv_segment_ids=seg if ks is qs else jnp.asarray(ks))
-        allowed = allowed & _np_segments(qs, ks)
+        parts["q_ids"], parts["kv_ids"] = _segments(rng, batch, n, s, kind)
     for key in ("q_lengths", "kv_lengths"):
-        if parts.get(key) is not None:
-            parts[key] = jnp.asarray(parts[key])
-    out = _call(name, q, k, v, **parts)
-    ref, _ = np_attention(q, k, v, mask=allowed, scale=1.0 / np.sqrt(q.shape[-1]))
-    assert out.shape == q.shape and out.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=1e-5)
-    # The case must have had something to check: some rows empty or partial.
+        if key in parts:
+            parts[key] = np.asarray(parts[key])
+    offset = parts.pop("q_offset", None)
+    allowed = np_allowed((*batch, h, n, s), is_causal=parts.get("is_causal", False), window=parts.get("window"),
+                         q_lengths=parts.get("q_lengths"), kv_lengths=parts.get("kv_lengths"),
+                         q_segment_ids=parts.get("q_ids"), kv_segment_ids=parts.get("kv_ids"))
+    if offset is not None:
+        allowed = np.broadcast_to(_np_offset_allowed(n, s, offset, parts.get("is_causal"), parts.get("window")),
+                                  allowed.shape)
+    out = _dispatched(KERNELS[name], q, k, v, _vis(batch, h, n, s, q_offset=offset, **parts))
+    want, _ = np_attention(q, k, v, mask=allowed, scale=SCALE)
+    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=1e-5, err_msg=why)
     assert allowed.any()
 
 
-@pytest.mark.parametrize("name", sorted(KERNELS))
-def test_empty_rows_zero_value_and_gradient(rng, name):
-    # Causal with N > S (bottom-right): the first N - S queries see no key.
-    q, k, v = _inputs(rng, (1,), 2, 2, 256, 128)
-
-    def loss(q, k, v):
-        return jnp.sum(_call(name, q, k, v, is_causal=True) ** 2)
-
-    out = _call(name, q, k, v, is_causal=True)
-    assert not np.asarray(out[..., :128, :]).any()
-    assert np.asarray(out[..., 128:, :]).any()
-    gq, gk, gv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-    assert all(np.isfinite(np.asarray(g)).all() for g in (gq, gk, gv))
-    assert not np.asarray(gq[..., :128, :]).any()
+GRAD_CASES = [
+    ("pallas_tpu", (2,), 4, 2, 37, 131, dict(is_causal=True, segments="distinct", kv_lengths=(131, 100))),
+    ("pallas_gpu", (1,), 2, 1, 37, 17, {}),  # query chunks: the keys' gradient sums over them
+    ("pallas_gpu", (2,), 4, 2, 41, 41, dict(is_causal=True, segments="packed")),
+]
 
 
-@pytest.mark.parametrize("name", sorted(KERNELS))
-def test_gradients_match_float64_autodiff(rng, name):
-    batch, h, kh, n = (1,), 2, 1, 256
-    q, k, v = _inputs(rng, batch, h, kh, n, n)
-    qs, _ = _segments(rng, "packed", batch, n, n)
-    seg = jnp.asarray(qs)
+@pytest.mark.parametrize("name,batch,h,kh,n,s,parts", GRAD_CASES, ids=[f"{c[0]}-{c[4]}x{c[5]}" for c in GRAD_CASES])
+def test_gradients_match_float64_under_x64(rng, name, batch, h, kh, n, s, parts):
+    """Under jax_enable_x64 (float32 inputs): both kernels used to raise `lax.div
+    requires arguments to have the same dtypes, got int32, int64` there."""
+    parts = dict(parts)
+    q, k, v = _inputs(rng, batch, h, kh, n, s)
+    if parts.pop("segments", None):
+        parts["q_ids"], parts["kv_ids"] = _segments(rng, batch, n, s, "packed" if n == s else "distinct")
+    if "kv_lengths" in parts:
+        parts["kv_lengths"] = np.asarray(parts["kv_lengths"])
+    allowed = np_allowed((*batch, h, n, s), is_causal=parts.get("is_causal", False),
+                         kv_lengths=parts.get("kv_lengths"), q_segment_ids=parts.get("q_ids"),
+                         kv_segment_ids=parts.get("kv_ids"))
     ct = rng.standard_normal(q.shape)
-    allowed = np_allowed((*batch, h, n, n), is_causal=True) & _np_segments(qs, qs)
-
-    def loss(q, k, v):
-        return jnp.sum(_call(name, q, k, v, is_causal=True, q_segment_ids=seg, kv_segment_ids=seg) * ct)
-
-    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     with x64():
-        def ref_loss(q, k, v):
-            return jnp.sum(jax_reference(q, k, v, jnp.asarray(allowed)) * ct)
-
-        want = jax.grad(ref_loss, argnums=(0, 1, 2))(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
-        want = [np.asarray(w) for w in want]
+        vis = _vis(batch, h, n, s, **parts)
+        got = jax.jit(jax.grad(lambda *a: jnp.sum(_dispatched(KERNELS[name], *a, vis) * ct), argnums=(0, 1, 2)))(
+            q, k, v)
+        want = jax.jit(jax.grad(lambda *a: jnp.sum(jax_reference(*a, jnp.asarray(allowed), scale=SCALE) * ct),
+                                argnums=(0, 1, 2)))(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
     for g, w in zip(got, want):
-        np.testing.assert_allclose(np.asarray(g), w, atol=2e-4, rtol=1e-4)
+        assert g.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-4)
+
+
+def test_tpu_logits_soft_cap_matches_float64(rng):
+    # c * tanh(logits / c) on the scaled logits, before masking; a cap of 1 on logits of
+    # size ~1..3 moves the output far beyond the tolerance.
+    q, k, v = _inputs(rng, (1,), 2, 2, 41, 41)
+    out = _dispatched(_pallas_tpu, q, k, v, _vis((1,), 2, 41, 41, is_causal=True, logits_soft_cap=1.0))
+    logits = np.einsum("bhnd,bhsd->bhns", q.astype(np.float64), k.astype(np.float64)) * SCALE
+    causal = np_allowed((1, 2, 41, 41), is_causal=True)
+    for capped in (np.tanh(logits), logits):
+        w = np.exp(np.where(causal, capped, -np.inf) - capped.max(-1, keepdims=True))
+        want = (w / w.sum(-1, keepdims=True)) @ v.astype(np.float64)
+        if capped is logits:
+            assert np.abs(np.asarray(out) - want).max() > 1e-2  # the cap mattered
+        else:
+            np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n,s,is_causal,offset", [
+    (1, 1, False, 0), (34, 34, True, 0), (100, 100, False, 0), (200, 100, False, -100), (100, 200, True, 100),
+    (1, 1000, False, 999), (1, 1000, True, 999), (300, 100, True, -200), (5, 40, True, 2), (4096, 4096, True, 0),
+])
+def test_gpu_layout_blocks_and_positions(n, s, is_causal, offset):
+    """Static placement: power-of-two blocks dividing the padded lengths (Triton's
+    lowering needs them), equal block counts for the fused backward, backward blocks
+    above the kernel's 32 defaults where the sequence allows, only the needed rows."""
+    lay = _pallas_gpu.layout(n, s, is_causal, offset)
+    block_q, block_k, bwd_q_inner, bwd_k, bwd_q, bwd_k_inner = lay.sizes
+    for block, length in ((block_q, lay.t_q), (block_k, lay.t_k), (bwd_q, lay.t_q), (bwd_k, lay.t_k),
+                          (bwd_q_inner, lay.t_q), (bwd_k_inner, lay.t_k)):
+        assert block & (block - 1) == 0 and 16 <= block <= 128 and length % block == 0, (block, length)
+    assert lay.t_q // bwd_q == lay.t_k // bwd_k and lay.t_q <= lay.t_k and s <= lay.t_k < s + block_k
+    assert bwd_k == min(128, lay.t_k)
+    pos = _pallas_gpu.positions(lay, n)
+    assert pos.max() < s and lay.front + lay.rows <= lay.t_q  # computed rows sit on real keys' positions
+    computed = lay.chunks * lay.rows
+    assert n - lay.skip <= computed < n - lay.skip + s
+    if is_causal:
+        assert lay.skip == max(-offset, 0) and lay.rows == n - lay.skip and lay.chunks == 1
+    if (n, s, is_causal) == (1, 1000, False):
+        assert lay.t_q == 128 and lay.t_k == 1024  # a single query does not pay for 1024 rows
+
+
+def _traced(fn):
+    """Calls `fn` with a traced int32 scalar (inside a jit trace); its result."""
+    box = []
+    jax.jit(lambda o: box.append(fn(o)) or o)(jnp.int32(0))
+    return box[0]
+
+
+STRUCT = jax.ShapeDtypeStruct
+BOTH_REFUSE = [
+    ("bias", dict(bias=jnp.zeros((1, 1, 7, 11))), {}),
+    ("dense mask", dict(mask=jnp.ones((1, 1, 7, 11), bool)), {}),
+    ("score_mod", dict(score_mod=lambda s, b, h, i, j: s), {}),
+    ("mask_mod", dict(mask_mod=lambda b, h, i, j: j <= i), {}),
+    ("return_weights", {}, dict(return_weights=True)),
+    ("dropout", {}, dict(dropout=True)),
+    ("float32, too coarse for float64", {}, dict(dtype=jnp.float64)),
+    ("one dtype", {}, dict(k_dtype=jnp.bfloat16)),
+    ("H=6, K=4", {}, dict(kh=4)),
+    ("traced query offset", "traced", {}),
+]
+
+
+def _refusal(name, vis_kw, call_kw, *, n=7, s=11, d=64, platform=None):
+    call_kw = dict(call_kw)
+    dtype, d = call_kw.pop("dtype", jnp.float32), call_kw.pop("d", d)
+    kh, dv = call_kw.pop("kh", 2), call_kw.pop("dv", d)
+    q, k = STRUCT((2, 6, n, d), dtype), STRUCT((2, kh, s, d), call_kw.pop("k_dtype", dtype))
+    call = _masking.Call(q, k, STRUCT((2, kh, s, dv), dtype), platform=platform or name[len("pallas_"):], **call_kw)
+    if vis_kw == "traced":
+        return _traced(lambda o: KERNELS[name].refusal(_vis((2,), 6, n, s, is_causal=True, q_offset=o), call))
+    return KERNELS[name].refusal(_vis((2,), 6, n, s, **vis_kw), call)
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
-def test_jit_vmap_and_leading_batch_rank(rng, name):
-    # vmap over one axis of a rank-2 batch: the kernel sees (B=2) inside each mapped call.
-    q, k, v = _inputs(rng, (2, 1), 2, 2, 128, 128)
-    f = jax.jit(jax.vmap(lambda q, k, v: _call(name, q, k, v, is_causal=True)))
-    out = f(q, k, v)
-    ref, _ = np_attention(q, k, v, mask=np_allowed(q.shape[:-1] + (128,), is_causal=True),
-                          scale=1.0 / np.sqrt(64))
-    np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=1e-5)
+@pytest.mark.parametrize("part,vis_kw,call_kw", BOTH_REFUSE, ids=[p for p, _, _ in BOTH_REFUSE])
+def test_refusal_names_the_part(name, part, vis_kw, call_kw):
+    why = _refusal(name, vis_kw, call_kw)
+    assert why is not None and part in why and f"implementation={name!r}" in why and "\n" not in why
+    assert "'xla'" in why  # and the path to use instead
+    assert _refusal(name, {}, {}) is None
+
+
+@pytest.mark.parametrize("part,vis_kw,call_kw", [
+    ("local window", dict(window=(3, 2)), {}),
+    ("kv_lengths", dict(kv_lengths=np.array([5, 11])), {}),
+    ("logits_soft_cap", dict(logits_soft_cap=5.0), {}),
+    ("equal q/k and v head dims", {}, dict(dv=32)),
+    ("head_dim in 9..256 on a GPU", {}, dict(d=8)),
+    ("head_dim in 9..256 on a GPU", {}, dict(d=264)),
+    ("query row 3 has id 0 but sits on key 3 of id 1", dict(q_ids=np.zeros((2, 7), int),
+                                                           kv_ids=np.array([[0, 0, 0, 1] + [0] * 7] * 2)), {}),
+    ("past the last key", dict(is_causal=True, q_offset=5), {}),
+    ("runs on a GPU", {}, dict(platform="tpu")),
+])
+def test_gpu_refuses_what_one_id_array_and_triton_cannot_take(part, vis_kw, call_kw):
+    call_kw = dict(call_kw)
+    why = _refusal("pallas_gpu", vis_kw, call_kw, platform=call_kw.pop("platform", None))
+    assert why is not None and part in why, why
+
+
+def test_gpu_segment_ids_traced_only_for_self_attention():
+    ids = jnp.zeros((2, 11), jnp.int32)
+    call = _masking.Call(STRUCT((2, 6, 11, 64), jnp.float32), STRUCT((2, 2, 11, 64), jnp.float32),
+                         STRUCT((2, 2, 11, 64), jnp.float32), platform="gpu")
+    self_vis = lambda o: _vis((2,), 6, 11, 11, is_causal=True, q_ids=ids + o, kv_ids=ids + o)
+    assert _traced(lambda o: _pallas_gpu.refusal(self_vis(o), call)) is None
+    cross = _masking.Call(STRUCT((2, 6, 7, 64), jnp.float32), *call[1:])
+    why = _traced(lambda o: _pallas_gpu.refusal(_vis((2,), 6, 7, 11, q_ids=ids[:, :7] + o, kv_ids=ids + o), cross))
+    assert "N=7, S=11 and traced ids" in why
+
+
+def test_gpu_traced_ids_that_disagree_give_nan_rows(rng):
+    # Self-attention with distinct traced ids: the kernel reads the keys' ids at each
+    # query's position, so the rows whose own id differs are NaN, never silently wrong.
+    q, k, v = _inputs(rng, (1,), 2, 2, 19, 19)
+    kv_ids = np.repeat([[0, 1]], 1, 0).repeat([9, 10], 1)
+    q_ids = kv_ids.copy()
+    q_ids[0, 4] = 1
+
+    def f(q, k, v, q_ids, kv_ids):
+        vis = _vis((1,), 2, 19, 19, q_ids=q_ids, kv_ids=kv_ids)
+        assert _pallas_gpu.refusal(vis, _masking.Call(q, k, v)) is None
+        return _pallas_gpu.run(q, k, v, vis, scale=SCALE, interpret=True)
+
+    out = np.asarray(jax.jit(f)(q, k, v, q_ids, kv_ids))
+    assert np.array_equal(np.isnan(out).any(-1)[0, 0], np.arange(19) == 4)
+    want, _ = np_attention(q, k, v, mask=np_allowed((1, 2, 19, 19), q_segment_ids=q_ids, kv_segment_ids=kv_ids),
+                           scale=SCALE)
+    np.testing.assert_allclose(np.delete(out, 4, axis=2), np.delete(want, 4, axis=2), atol=2e-5)
+
+
+def test_tpu_refuses_float16_and_accepts_the_rest():
+    assert "float16" in _refusal("pallas_tpu", {}, dict(dtype=jnp.float16))
+    rich = dict(is_causal=True, window=(3, None), q_ids=np.zeros((2, 7), int), kv_ids=np.ones((2, 11), int),
+                kv_lengths=np.array([4, 11]), q_offset=2, logits_soft_cap=5.0)
+    assert _refusal("pallas_tpu", rich, dict(dv=32, empty_rows="uniform")) is None
+    assert _refusal("pallas_gpu", {}, dict(empty_rows="uniform")) is None
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_forward_mode_is_refused_clearly(rng, name):
-    # Both kernels are custom_vjp: JAX refuses jvp/jacfwd with a one-line TypeError at
-    # trace time (the docstrings quote it), never a trace from inside the kernel.
-    q, k, v = _inputs(rng, (1,), 1, 1, 128, 128)
+    # Both kernels are custom_vjp: JAX refuses jvp with a one-line TypeError at trace
+    # time (the docstrings quote it), never a trace from inside the kernel.
+    q, k, v = _inputs(rng, (1,), 1, 1, 16, 16)
+    vis = _vis((1,), 1, 16, 16)
     with pytest.raises(TypeError, match="forward-mode autodiff .* custom_vjp"):
-        jax.jvp(lambda q: _call(name, q, k, v), (q,), (q,))
-    with pytest.raises(TypeError, match="forward-mode autodiff .* custom_vjp"):
-        jax.jacfwd(lambda q: _call(name, q, k, v).sum())(q)
+        jax.jvp(lambda q: KERNELS[name].run(q, k, v, vis, scale=SCALE, interpret=True), (q,), (q,))
 
 
-REFUSALS = [
-    (dict(bias=np.zeros((128, 128), np.float32)), "bias"),
-    (dict(mask=np.ones((128, 128), bool)), "dense mask"),
-    (dict(return_weights=True), "return_weights"),
-    (dict(dropout_rate=0.1, deterministic=False), "dropout"),
-]
+NAN_CASES = {  # a NaN reachable only through keys the description hides from every other row
+    "pallas_tpu": dict(q_segment_ids=np.array([[0] * 6 + [1] * 7] * 2), kv_segment_ids=np.array([[0] * 5 + [1] * 6] * 2),
+                       kv_lengths=np.array([11, 8])),
+    "pallas_gpu": dict(q_segment_ids=np.array([[0] * 5 + [1] * 6] * 2), kv_segment_ids=None, is_causal=True),
+}
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
-@pytest.mark.parametrize("parts,word", REFUSALS, ids=[w for _, w in REFUSALS])
-def test_refuses_what_it_cannot_express(rng, name, parts, word):
-    q, k, v = _inputs(rng, (1,), 1, 1, 128, 128)
-    with pytest.raises(ValueError, match=f"{name} cannot .*{word}"):
-        _call(name, q, k, v, **parts)
-
-
-@pytest.mark.parametrize("parts,word", [
-    (dict(local_window_size=(4, 4)), "local window"),
-    (dict(kv_lengths=jnp.asarray([64])), "lengths"),
-    (dict(logits_soft_cap=30.0), "logits_soft_cap"),
-    (dict(q_segment_ids=jnp.zeros((1, 128), jnp.int32), kv_segment_ids=jnp.ones((1, 128), jnp.int32)), "one segment-id array"),
-])
-def test_gpu_refuses_tpu_only_parts(rng, parts, word):
-    q, k, v = _inputs(rng, (1,), 1, 1, 128, 128)
-    with pytest.raises(ValueError, match=word):
-        _call("pallas_gpu", q, k, v, **parts)
+def test_attention_isolates_nan_keys(rng, name):
+    """Through `jax_mha.attention`: a NaN in a key past kv_lengths (tpu) or in another
+    document's key (both) reaches no row outside the NaN's own document."""
+    kw = NAN_CASES[name]
+    n = kw["q_segment_ids"].shape[1]
+    s = n if kw["kv_segment_ids"] is None else kw["kv_segment_ids"].shape[1]
+    q, k, v = _inputs(rng, (2,), 4, 2, n, s)
+    k[0, :, 1] = np.nan  # document 0 of sequence 0
+    if "kv_lengths" in kw:
+        v[1, :, 9] = np.inf  # past sequence 1's kv_lengths
+    kw = {key: value for key, value in kw.items() if value is not None}
+    arrays = {key: jnp.asarray(value) for key, value in kw.items() if not isinstance(value, bool)}
+    out = jax.jit(lambda q, k, v, a: attention(q, k, v, implementation=name, is_causal="is_causal" in kw, **a))(
+        q, k, v, arrays)
+    out = np.asarray(out)
+    allowed = np_allowed((2, 4, n, s), is_causal=kw.get("is_causal", False), kv_lengths=kw.get("kv_lengths"),
+                         q_segment_ids=kw["q_segment_ids"], kv_segment_ids=kw.get("kv_segment_ids"))
+    nan_rows = allowed[..., 1] & np.array([True, False])[:, None, None]  # the rows that may see key 1 of sequence 0
+    assert np.array_equal(np.isnan(out).any(-1), nan_rows)
+    want, _ = np_attention(q, np.nan_to_num(k), np.nan_to_num(v, posinf=0.0), mask=allowed)
+    np.testing.assert_allclose(np.where(nan_rows[..., None], 0, out), np.where(nan_rows[..., None], 0, want),
+                               atol=2e-5)
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
-def test_bad_shapes_and_types_are_named(rng, name):
-    q, k, v = _inputs(rng, (1,), 3, 2, 128, 128)
-    with pytest.raises(ValueError, match="H=3, K=2"):
-        _call(name, q, k, v)
-    q, k, v = _inputs(rng, (1,), 2, 2, 128, 128)
-    with pytest.raises(TypeError, match="interpret"):
-        _call(name, q, k, v, interpret="yes")
-    with pytest.raises(TypeError, match="float32"):
-        seg = jnp.zeros((1, 128), jnp.float32)
-        _call(name, q, k, v, q_segment_ids=seg, kv_segment_ids=seg)
-
-
-def test_tpu_logits_soft_cap_matches_float64(rng):
-    # c * tanh(logits / c) on the scaled logits, before masking (API.md, third round).
-    # A cap of 1 on logits of size ~1..3 changes the output far beyond the tolerance.
-    q, k, v = _inputs(rng, (1,), 2, 2, 256, 256)
-    cap, scale = 1.0, 1.0 / np.sqrt(64)
-    out = _call("pallas_tpu", q, k, v, is_causal=True, logits_soft_cap=cap)
-    logits = np.einsum("bhnd,bhsd->bhns", q.astype(np.float64), k.astype(np.float64)) * scale
-    logits = np.where(np.tril(np.ones((256, 256), bool)), cap * np.tanh(logits / cap), -np.inf)
-    w = np.exp(logits - logits.max(-1, keepdims=True))
-    want = (w / w.sum(-1, keepdims=True)) @ v.astype(np.float64)
-    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=1e-5)
-    uncapped = _call("pallas_tpu", q, k, v, is_causal=True)
-    assert np.abs(np.asarray(uncapped) - want).max() > 1e-2
-    with pytest.raises(ValueError, match="logits_soft_cap"):
-        _call("pallas_tpu", q, k, v, logits_soft_cap=-1.0)
-
-
-@pytest.mark.parametrize("path", ["pallas_tpu", "pallas_gpu"])
-def test_attention_dispatches_to_the_kernel_across_traces(path):
-    """`attention(implementation=path)` under two jits of the same shapes: the cached
-    splash kernel must not carry the first trace's tracers into the second."""
+def test_attention_dispatches_to_the_kernel_across_traces(name):
+    """`attention(implementation=name)` under two jits of the same shapes, the second
+    vmapped over a leading batch axis: the cached splash kernel must not carry the
+    first trace's tracers into the second."""
     rng = np.random.default_rng(7)
-    q = jnp.asarray(rng.standard_normal((2, 4, 128, 16)), jnp.float32)
-    k = v = jnp.asarray(rng.standard_normal((2, 2, 128, 16)), jnp.float32)
-    ids = jnp.asarray(np.repeat(np.arange(2), 64)[None].repeat(2, 0))
-    for options in (dict(is_causal=True), dict(is_causal=True, q_segment_ids=ids)):
-        got = jax.jit(lambda q, k, v: attention(q, k, v, implementation=path, **options))(q, k, v)  # noqa: B023
-        np.testing.assert_allclose(got, attention(q, k, v, **options), atol=2e-5)
+    q = jnp.asarray(rng.standard_normal((2, 4, 32, 16)), jnp.float32)
+    k = v = jnp.asarray(rng.standard_normal((2, 2, 32, 16)), jnp.float32)
+    ids = jnp.asarray(np.repeat(np.arange(2), 16)[None].repeat(2, 0))
+    got = jax.jit(lambda q, k, v: attention(q, k, v, is_causal=True, implementation=name))(q, k, v)
+    want, _ = np_attention(q, k, v, mask=np_allowed((2, 4, 32, 32), is_causal=True))
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    seg = jax.jit(jax.vmap(lambda q, k, v, i: attention(q, k, v, is_causal=True, q_segment_ids=i, implementation=name)))
+    got = seg(q[:, None], k[:, None], v[:, None], ids[:, None])[:, 0]
+    want, _ = np_attention(q, k, v, mask=np_allowed((2, 4, 32, 32), is_causal=True, q_segment_ids=ids))
+    np.testing.assert_allclose(got, want, atol=2e-5)
