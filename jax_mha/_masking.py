@@ -49,7 +49,8 @@ class Window(NamedTuple):
     right: int | None
 
 
-_STATIC = ("n", "s", "is_causal", "window", "score_mod", "mask_mod", "logits_soft_cap", "batch_shape", "num_heads")
+_STATIC = ("n", "s", "is_causal", "window", "score_mod", "mask_mod", "logits_soft_cap", "batch_shape", "num_heads",
+           "segments_shared")
 
 
 @functools.partial(
@@ -85,6 +86,9 @@ class Visibility:
       logits_soft_cap: c > 0 (a Python float) or None.
       Callables are static metadata: they hash by identity, so jit caches per function.
       batch_shape, num_heads: `B…` and H, for the mods' index arrays (`dense_heads`).
+      segments_shared: the keys' segment ids are the queries' own array (given once,
+        for self-attention): a kernel that reads one id array for both may take them
+        even when they are traced.
     """
 
     n: int
@@ -105,6 +109,7 @@ class Visibility:
 
     batch_shape: tuple = ()
     num_heads: int = 1
+    segments_shared: bool = False
 
     @property
     def offset(self):

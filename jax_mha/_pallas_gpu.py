@@ -154,10 +154,10 @@ def _segment_refusal(vis: _masking.Visibility, lay: Layout) -> str | None:
     n, s = vis.n, vis.s
     pos = positions(lay, n)
     if is_traced(vis.q_segment_ids) or is_traced(vis.kv_segment_ids):
-        if n == s and np.array_equal(pos, np.arange(lay.skip, n)):
-            return None  # self-attention: checked at run time (NaN rows where the ids differ)
-        return (f"{NAME} reads one segment-id array for queries and keys; with N={n}, S={s} and traced ids it "
-                "cannot check that each query's id is the id of the key at its position; use 'xla' or 'blockwise'")
+        if n == s and vis.segments_shared and np.array_equal(pos, np.arange(lay.skip, n)):
+            return None  # self-attention with the keys' ids the queries' own array
+        return (f"{NAME} reads one segment-id array for queries and keys; traced ids are taken only for "
+                f"self-attention with kv_segment_ids left out (here N={n}, S={s}); use 'xla' or 'blockwise'")
     q_ids = np.asarray(vis.q_segment_ids)[..., 0, :, 0]  # (B…|1, N)
     kv_ids = np.asarray(vis.kv_segment_ids)[..., 0, 0, :]  # (B…|1, S)
     q_ids, kv_ids = np.broadcast_arrays(q_ids[..., lay.skip:], kv_ids[..., pos])

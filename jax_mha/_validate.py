@@ -275,4 +275,5 @@ def describe(q, k, v, mask=None, bias=None, *, is_causal=False, local_window_siz
         q_segment_ids=q_ids, kv_segment_ids=kv_ids, q_offset=check_offset("q_offset", q_offset),
         q_start=check_offset("q_start", q_start), score_mod=score_mod, mask_mod=mask_mod, logits_soft_cap=cap,
         batch_shape=tuple(batch), num_heads=q.shape[-3],
+        segments_shared=q_segment_ids is not None and (kv_segment_ids is None or kv_segment_ids is q_segment_ids),
     )

@@ -241,31 +241,27 @@ def test_gpu_segment_ids_traced_only_for_self_attention():
     ids = jnp.zeros((2, 11), jnp.int32)
     call = _masking.Call(STRUCT((2, 6, 11, 64), jnp.float32), STRUCT((2, 2, 11, 64), jnp.float32),
                          STRUCT((2, 2, 11, 64), jnp.float32), platform="gpu")
-    self_vis = lambda o: _vis((2,), 6, 11, 11, is_causal=True, q_ids=ids + o, kv_ids=ids + o)
-    assert _traced(lambda o: _pallas_gpu.refusal(self_vis(o), call)) is None
+    shared = lambda o: _vis((2,), 6, 11, 11, is_causal=True, q_ids=ids + o, kv_ids=ids + o, segments_shared=True)
+    assert _traced(lambda o: _pallas_gpu.refusal(shared(o), call)) is None
+    apart = lambda o: _vis((2,), 6, 11, 11, is_causal=True, q_ids=ids + o, kv_ids=ids + 2 * o)
+    assert "kv_segment_ids left out (here N=11, S=11)" in _traced(lambda o: _pallas_gpu.refusal(apart(o), call))
     cross = _masking.Call(STRUCT((2, 6, 7, 64), jnp.float32), *call[1:])
     why = _traced(lambda o: _pallas_gpu.refusal(_vis((2,), 6, 7, 11, q_ids=ids[:, :7] + o, kv_ids=ids + o), cross))
-    assert "N=7, S=11 and traced ids" in why
+    assert "(here N=7, S=11)" in why
 
 
-def test_gpu_traced_ids_that_disagree_give_nan_rows(rng):
-    # Self-attention with distinct traced ids: the kernel reads the keys' ids at each
-    # query's position, so the rows whose own id differs are NaN, never silently wrong.
+def test_gpu_traced_shared_ids_through_attention(rng):
+    """Traced ids given once (`kv_segment_ids` left out) run on the kernel, exactly;
+    traced ids given twice are refused by name (the kernel cannot check they agree)."""
     q, k, v = _inputs(rng, (1,), 2, 2, 19, 19)
-    kv_ids = np.repeat([[0, 1]], 1, 0).repeat([9, 10], 1)
-    q_ids = kv_ids.copy()
-    q_ids[0, 4] = 1
-
-    def f(q, k, v, q_ids, kv_ids):
-        vis = _vis((1,), 2, 19, 19, q_ids=q_ids, kv_ids=kv_ids)
-        assert _pallas_gpu.refusal(vis, _masking.Call(q, k, v)) is None
-        return _pallas_gpu.run(q, k, v, vis, scale=SCALE, interpret=True)
-
-    out = np.asarray(jax.jit(f)(q, k, v, q_ids, kv_ids))
-    assert np.array_equal(np.isnan(out).any(-1)[0, 0], np.arange(19) == 4)
-    want, _ = np_attention(q, k, v, mask=np_allowed((1, 2, 19, 19), q_segment_ids=q_ids, kv_segment_ids=kv_ids),
-                           scale=SCALE)
-    np.testing.assert_allclose(np.delete(out, 4, axis=2), np.delete(want, 4, axis=2), atol=2e-5)
+    ids = np.repeat([[0, 1]], 1, 0).repeat([9, 10], 1)
+    f = jax.jit(lambda q, k, v, ids: attention(q, k, v, q_segment_ids=ids, implementation="pallas_gpu"))
+    want, _ = np_attention(q, k, v, mask=np_allowed((1, 2, 19, 19), q_segment_ids=ids))
+    np.testing.assert_allclose(np.asarray(f(q, k, v, ids)), want, atol=2e-5)
+    twice = jax.jit(lambda q, k, v, ids: attention(q, k, v, q_segment_ids=ids, kv_segment_ids=ids + 0,
+                                                           implementation="pallas_gpu"))
+    with pytest.raises(ValueError, match="kv_segment_ids left out"):
+        twice(q, k, v, ids)
 
 
 def test_tpu_refuses_float16_and_accepts_the_rest():
