@@ -45,10 +45,9 @@ before jax is imported) gives four devices to try it.
 
 from __future__ import annotations
 
-import functools
 import math
 import re
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import flax.linen as nn
 import jax
@@ -56,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_mha._ring import QUERY_CHUNK, ring_attention
+from jax_mha.ring import ring_attention, ring_attention_fn  # noqa: F401  (re-exported)
 
 MESH_AXES = ("data", "sequence", "model")
 
@@ -342,7 +341,8 @@ def shard(tree: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
 
 
 # ---------------------------------------------------------------------------------
-# Sequence parallelism: ring attention as the modules' attention_fn.
+# Sequence parallelism: the ring itself lives in `jax_mha.ring` (re-exported here:
+# `ring_attention`, `ring_attention_fn`); what the trainer needs to size it stays here.
 # ---------------------------------------------------------------------------------
 
 
@@ -371,80 +371,3 @@ def check_sequence_divisible(length: int, size: int | Mesh, *, is_causal: bool =
         need = f"{p}² = {multiple} (causal attention, striped layout)" if multiple != p else str(p)
         raise ValueError(f"sequence length {length} is not a multiple of {need}: mesh axis {axis_name!r} has "
                          f"{p} devices")
-
-
-_RING_REFUSES = ("mask", "bias", "q_lengths", "q_segment_ids", "kv_segment_ids", "score_mod", "mask_mod",
-                 "logits_soft_cap")
-
-
-def _ring_attention_fn(
-    q, k, v, mask=None, bias=None, *, mesh, axis_name, query_chunk_size, is_causal=False, scale=None,
-    local_window_size=None, q_lengths=None, kv_lengths=None, q_segment_ids=None, kv_segment_ids=None,
-    empty_rows="zero", dropout_rate=0.0, dropout_rng=None, deterministic=True, return_weights=False,
-    implementation=None, query_block_size=None, key_block_size=None, score_mod=None, mask_mod=None,
-    logits_soft_cap=None,
-):
-    given = dict(mask=mask, bias=bias, q_lengths=q_lengths, q_segment_ids=q_segment_ids,
-                 kv_segment_ids=kv_segment_ids, score_mod=score_mod, mask_mod=mask_mod,
-                 logits_soft_cap=logits_soft_cap)
-    refused = [name for name in _RING_REFUSES if given[name] is not None]
-    if return_weights:
-        refused.append("return_weights=True")
-    if dropout_rate > 0 and not deterministic:
-        refused.append(f"attention dropout (dropout_rate={dropout_rate})")
-    if empty_rows != "zero":
-        refused.append(f"empty_rows={empty_rows!r}")
-    if refused:
-        raise ValueError(f"ring attention (attention_fn=parallel.ring_attention_fn) cannot take "
-                         f"{', '.join(refused)}: it supports is_causal, scale, local_window_size and kv_lengths")
-    del implementation, query_block_size, key_block_size, dropout_rng  # the ring runs its own blocked loop
-    return ring_attention(q, k, v, mesh=mesh, axis_name=axis_name, is_causal=is_causal, scale=scale,
-                          local_window_size=local_window_size, kv_lengths=kv_lengths,
-                          query_chunk_size=query_chunk_size,
-                          batch_axis_name=_divides(mesh, "data", q.shape[0]),
-                          head_axis_name=_divides(mesh, "model", k.shape[1]))
-
-
-def _divides(mesh: Mesh, axis: str, count: int) -> str | None:
-    """`axis` when the mesh has it with more than one device and they split `count`
-    evenly (the ring then splits that dimension too), else None."""
-    size = mesh.shape.get(axis, 1)
-    return axis if size > 1 and count % size == 0 else None
-
-
-def ring_attention_fn(mesh: Mesh, axis_name: str = "sequence", *, query_chunk_size: int = QUERY_CHUNK) -> Callable:
-    """`ring_attention` as a module's `attention_fn`: sequence parallelism in a model.
-
-    `MultiHeadAttention(attention_fn=parallel.ring_attention_fn(mesh))` (linen or NNX,
-    or `TransformerBlock`, `jax_mha.lab.models.Decoder`) runs its self-attention as
-    ring attention over the mesh axis `axis_name`, with the heads `(B, H, N, D)` split
-    along N; the rest of a Transformer block is position-wise and runs on each
-    device's N/P tokens as they are. Constrain the activations (or the token batch)
-    to `PartitionSpec(..., axis_name)` along N so XLA keeps them split (the
-    `("length", "sequence")` rule of `DEFAULT_RULES` does, through `batch_sharding`).
-
-    The batch is split over the mesh's "data" axis and the key/value heads over
-    "model" inside the ring when those axes divide them.
-
-    The returned callable takes `jax_mha.attention`'s keywords: `is_causal`, `scale`,
-    `local_window_size` and `kv_lengths` go to the ring; `implementation` and the
-    block sizes are ignored (the ring walks its own blocks); everything ring
-    attention cannot do is refused by name at trace time (ValueError): `mask`,
-    `bias`, `q_lengths`, segment ids, `score_mod`, `mask_mod`, `logits_soft_cap`,
-    `return_weights=True`, attention dropout, `empty_rows="uniform"`. N must be a
-    multiple of P (P² when causal, see `check_sequence_divisible`).
-
-    Args:
-      mesh: the device mesh; `axis_name` must be one of its axes.
-      axis_name: the mesh axis the sequence is split over.
-      query_chunk_size: rows per score tile inside a ring step (`ring_attention`).
-
-    Returns:
-      `attention_fn(q, k, v, mask=None, bias=None, **keywords) -> (B, H, N, D)`.
-
-    Raises:
-      ValueError: when `axis_name` is not an axis of the mesh.
-    """
-    if axis_name not in mesh.shape:
-        raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh (axes {tuple(mesh.shape)})")
-    return functools.partial(_ring_attention_fn, mesh=mesh, axis_name=axis_name, query_chunk_size=query_chunk_size)

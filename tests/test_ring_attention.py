@@ -1,9 +1,12 @@
-"""`jax_mha.parallel.ring_attention` on 4 and 8 forced CPU devices against `attention`
-on one device: values and gradients for every part it claims, the collectives in its
-program, and its refusals.
+"""`jax_mha.ring.ring_attention` (also `jax_mha.parallel.ring_attention`) on 4 and 8
+forced CPU devices against `attention(..., implementation="xla")` on one device: values
+and gradients (q, k, v, and the floating arrays a `score_mod` closes over) for every
+part of the description it takes, the collectives in its program, and its refusals.
 
 Each device count runs in one subprocess (XLA fixes the device count at start-up);
-this file is that subprocess's script too, and prints one JSON line of results.
+this file is that subprocess's script too, and prints one JSON line of results. Each
+case is one jitted program for the ring (output and VJP together) and one for the
+reference, so the subprocess compiles two programs per case and runs nothing eagerly.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import pytest
 
 # (B, H, K, N, D): H != K (GQA), N a multiple of P² for the striped causal layout.
 SHAPES = {4: (2, 6, 2, 48, 8), 8: (1, 3, 1, 64, 4)}
+# Options by name; "docs" (packed documents as segment ids), "alibi" (a score_mod over
+# closed-over slopes, whose gradient is checked) and "doc_mask" (a mask_mod over a
+# document-id array passed into the jitted function, i.e. traced) are built in `_options`.
 CASES = {
     "full": dict(),
     "causal": dict(is_causal=True),  # striped layout
@@ -25,68 +31,135 @@ CASES = {
     "window_both_sides": dict(local_window_size=(7, 3)),
     "kv_lengths": dict(kv_lengths=[30, 0]),  # sequence 1: every row empty
     "causal_kv_lengths": dict(is_causal=True, kv_lengths=[30, 11], scale=0.3),
+    "packed_causal": dict(is_causal=True, docs=1),  # the ids striped with the rows
+    "packed_lengths_window": dict(docs=1, q_lengths=[37, 13], kv_lengths=[41, 29], local_window_size=(9, 2),
+                                  logits_soft_cap=1.5),
+    "alibi": dict(is_causal=True, alibi=True),  # global q_idx - kv_idx in the striped layout
+    "document_mask": dict(is_causal=True, doc_mask=True, logits_soft_cap=2.0),
 }
+# Every case runs on 4 devices; on 8 (a longer ring, cut differently by the window) these.
+ON_EIGHT = ("causal", "causal_window", "window_both_sides", "packed_causal", "alibi", "document_mask")
+# On 4 devices the batch, then the key/value heads, split beside the sequence (2 x 2);
+# on 8 all three (2 x 2 x 2). The mods read the global batch and head indices.
+SPLITS = {4: {"batch_axis_name": ("data",), "head_axis_name": ("model",)}, 8: {"batch_and_heads": ("data", "model")}}
+SPLIT_SHAPE = (2, 6, 2, 16, 4)
 
 ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run_cases(num_devices: int) -> dict:
+def _documents(rng, b: int, n: int) -> np.ndarray:
+    """int32 `(b, n)`: sorted document ids, each row packed differently (1 to 4 cuts)."""
+    rows = []
+    for _ in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, n), size=rng.integers(1, 5), replace=False))
+        rows.append(np.searchsorted(cuts, np.arange(n), side="right") + rng.integers(0, 3))
+    return np.stack(rows).astype(np.int32)
+
+
+def _options(options: dict, b: int, floats: tuple, ints: tuple) -> dict:
+    """The keywords of one case: `floats = (slopes (H,),)` differentiable, `ints =
+    (document ids (B, N),)`, both passed into the jitted function."""
+    import jax.numpy as jnp
+
+    out = {name: value for name, value in options.items() if name not in ("docs", "alibi", "doc_mask")}
+    for name in ("q_lengths", "kv_lengths"):
+        if name in out:
+            out[name] = jnp.asarray(out[name][:b])
+    if options.get("docs"):  # 2: neighbouring documents merged (coarser than the mask_mod's)
+        out["q_segment_ids"] = ints[0] // options["docs"]
+    if options.get("alibi"):
+        slopes = floats[0]
+        out["score_mod"] = lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j).astype(s.dtype)
+    if options.get("doc_mask"):
+        docs = ints[0]  # odd heads ignore the documents: the mask reads the global head too
+        out["mask_mod"] = lambda b, h, i, j: (docs[b, i] == docs[b, j]) | (h % 2 == 1)
+    return out
+
+
+def _compare(ring_fn, inputs, sharded, options) -> dict:
+    """Ring vs one-device attention: max abs errors of the output and of the
+    gradients of `(out * w).sum()` to q, k, v and the slopes (relative to their
+    largest entry), and the compiled ring program's text."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec
 
     from jax_mha import attention
-    from jax_mha.parallel import ring_attention
 
-    mesh = jax.make_mesh((num_devices,), ("sequence",))
-    b, h, kh, n, d = SHAPES[num_devices]
-    rng = np.random.default_rng(num_devices)
+    q, k, v, w, slopes, docs = inputs
+    b = q.shape[0]
+
+    def both(fn):
+        def run(q, k, v, w, slopes, docs):
+            f = lambda q, k, v, slopes: fn(q, k, v, **_options(options, b, (slopes,), (docs,)))
+            out, pull = jax.vjp(f, q, k, v, slopes)
+            return out, pull(w)
+
+        return jax.jit(run)
+
+    compiled = both(ring_fn).lower(*sharded, slopes, docs).compile()
+    (out, grads), (want, want_grads) = compiled(*sharded, slopes, docs), both(
+        lambda *a, **o: attention(*a, implementation="xla", **o))(q, k, v, w, slopes, docs)
+    errors = [float(jnp.abs(a - e).max()) for a, e in zip(grads, want_grads)]
+    errors[3] /= max(1.0, float(jnp.abs(want_grads[3]).max()))
+    return {
+        "out": float(jnp.abs(out - want).max()),
+        "grads": errors,
+        "slopes_grad_max": float(jnp.abs(want_grads[3]).max()),
+        "out_changed": float(jnp.abs(want).max()),
+        "finite": bool(jnp.isfinite(out).all() and all(jnp.isfinite(g).all() for g in grads)),
+        "sharding": str(out.sharding.spec),
+        "hlo": compiled.as_text(),
+    }
+
+
+def _inputs(rng, shape):
+    import jax.numpy as jnp
+
+    b, h, kh, n, d = shape
     q, w = (jnp.asarray(rng.standard_normal((b, h, n, d)), jnp.float32) for _ in range(2))
     k, v = (jnp.asarray(rng.standard_normal((b, kh, n, d)), jnp.float32) for _ in range(2))
+    slopes = jnp.asarray(2.0 ** -np.linspace(0.5, 4, h), jnp.float32)
+    return q, k, v, w, slopes, jnp.asarray(_documents(rng, b, n))
+
+
+def _run_cases(num_devices: int) -> dict:
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jax_mha.parallel import ring_attention
+
+    rng = np.random.default_rng(num_devices)
+    mesh = jax.make_mesh((num_devices,), ("sequence",))
+    inputs = _inputs(rng, SHAPES[num_devices])
     seq = NamedSharding(mesh, PartitionSpec(None, None, "sequence", None))
-    sharded = [jax.device_put(x, seq) for x in (q, k, v)]
+    sharded = [jax.device_put(x, seq) for x in inputs[:4]]
     results = {}
     for name, options in CASES.items():
-        options = dict(options)
-        if "kv_lengths" in options:
-            options["kv_lengths"] = jnp.asarray(options["kv_lengths"][:b])
-        ring = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, query_chunk_size=4, **options)  # noqa: B023
-        ref = lambda q, k, v: attention(q, k, v, implementation="xla", **options)  # noqa: B023
-        loss = lambda f: (lambda q, k, v: (f(q, k, v) * w).sum())  # a random output gradient
-        out = jax.jit(ring)(*sharded)
-        grads = jax.jit(jax.grad(loss(ring), argnums=(0, 1, 2)))(*sharded)
-        want_grads = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
-        results[name] = {
-            "out": float(jnp.abs(out - ref(q, k, v)).max()),
-            "grads": [float(jnp.abs(a - e).max()) for a, e in zip(grads, want_grads)],
-            "finite": bool(jnp.isfinite(out).all() and all(jnp.isfinite(g).all() for g in grads)),
-            "sharding": str(out.sharding.spec),
-        }
-    if num_devices == 4:  # the batch, then the key/value heads, split beside the sequence
-        for axis, option in (("data", "batch_axis_name"), ("model", "head_axis_name")):
-            mesh2 = jax.make_mesh((2, 2), (axis, "sequence"))
-            spec = (axis, None) if axis == "data" else (None, axis)
-            split = NamedSharding(mesh2, PartitionSpec(*spec, "sequence", None))
-            ring = lambda q, k, v: ring_attention(q, k, v, mesh=mesh2, is_causal=True, **{option: axis})  # noqa: B023
-            ref = lambda q, k, v: attention(q, k, v, is_causal=True)
-            out = jax.jit(ring)(*(jax.device_put(x, split) for x in (q, k, v)))
-            grads = jax.jit(jax.grad(lambda q, k, v: (ring(q, k, v) * w).sum(), argnums=(0, 1, 2)))(
-                *(jax.device_put(x, split) for x in (q, k, v)))
-            want_grads = jax.grad(lambda q, k, v: (ref(q, k, v) * w).sum(), argnums=(0, 1, 2))(q, k, v)
-            results[option] = {
-                "out": float(jnp.abs(out - ref(q, k, v)).max()),
-                "grads": [float(jnp.abs(a - e).max()) for a, e in zip(grads, want_grads)],
-                "sharding": str(out.sharding.spec),
-            }
-    hlo = jax.jit(jax.grad(lambda q, k, v: ring_attention(q, k, v, mesh=mesh, is_causal=True).sum(),
-                           argnums=(1, 2))).lower(*sharded).compile().as_text()
-    results["hlo"] = {"collective_permute": hlo.count("collective-permute"), "all_gather": hlo.count("all-gather")}
+        if num_devices == 8 and name not in ON_EIGHT:
+            continue
+        ring = lambda *a, **o: ring_attention(*a, mesh=mesh, query_chunk_size=4, **o)
+        results[name] = _compare(ring, inputs, sharded, options)
+        hlo = results[name].pop("hlo")
+        if name == "causal":
+            results["hlo"] = {"collective_permute": hlo.count("collective-permute"), "all_gather": hlo.count("all-gather")}
+    inputs = _inputs(rng, SPLIT_SHAPE)
+    for name, axes in SPLITS[num_devices].items():
+        shape = (2,) * (len(axes) + 1)
+        mesh = jax.make_mesh(shape, (*axes, "sequence"))
+        spec = PartitionSpec("data" if "data" in axes else None, "model" if "model" in axes else None, "sequence")
+        sharded = [jax.device_put(x, NamedSharding(mesh, spec)) for x in inputs[:4]]
+        split = {"batch_axis_name": "data" if "data" in axes else None,
+                 "head_axis_name": "model" if "model" in axes else None}
+        ring = lambda *a, **o: ring_attention(*a, mesh=mesh, query_chunk_size=4, **split, **o)  # noqa: B023
+        results[name] = _compare(ring, inputs, sharded, dict(is_causal=True, docs=2, alibi=True, doc_mask=True))
+        results[name].pop("hlo")
     return results
 
 
 @pytest.fixture(scope="module", params=[4, 8])
 def ring_results(request):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={request.param}", JAX_PLATFORMS="cpu")
+    flags = f"--xla_force_host_platform_device_count={request.param} --xla_backend_optimization_level=0"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT_DIR, env.get("PYTHONPATH")]))  # a checkout not installed
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(request.param)], env=env,
                           capture_output=True, text=True, timeout=600)
@@ -95,24 +168,39 @@ def ring_results(request):
     return request.param, json.loads(line[len("RESULT "):])
 
 
+def _assert_equal_to_attention(got, where):
+    assert got["finite"], where
+    assert got["out"] < 2e-5, (where, got)
+    assert max(got["grads"][:3]) < 2e-5, (where, got)  # dq, dk, dv
+    assert got["grads"][3] < 2e-6, (where, got)  # d slopes, relative to its largest entry
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_ring_attention_equals_attention(ring_results, case):
     num_devices, results = ring_results
+    if case not in results:
+        pytest.skip(f"not run on the {num_devices}-device mesh")
     got = results[case]
-    assert got["finite"], (num_devices, case)
-    assert got["out"] < 2e-5, (num_devices, case, got)
-    assert max(got["grads"]) < 2e-5, (num_devices, case, got)
+    _assert_equal_to_attention(got, (num_devices, case))
+    assert got["out_changed"] > 0.1  # the reference output is not all zeros: the comparison means something
     assert "sequence" in got["sharding"]  # the output stays split along N
+    if CASES[case].get("alibi"):
+        assert got["slopes_grad_max"] > 1.0  # the slopes' gradient is compared, and is not zero
 
 
-@pytest.mark.parametrize("option", ["batch_axis_name", "head_axis_name"])
-def test_batch_or_heads_split_beside_the_sequence(ring_results, option):
+@pytest.mark.parametrize("split", ["batch_axis_name", "head_axis_name", "batch_and_heads"])
+def test_batch_or_heads_split_beside_the_sequence(ring_results, split):
+    """GQA, packed documents, ALiBi and a document mask that also reads the head, with
+    the batch and/or the key/value heads split over mesh axes beside the sequence: the
+    mods must see the global batch and head indices."""
     num_devices, results = ring_results
-    if num_devices != 4:
-        pytest.skip("measured on the 4-device mesh (2 x 2)")
-    got = results[option]
-    assert got["out"] < 2e-5 and max(got["grads"]) < 2e-5, got
-    assert ("data" if option == "batch_axis_name" else "model") in got["sharding"], got
+    if split not in results:
+        pytest.skip(f"not run on the {num_devices}-device mesh")
+    got = results[split]
+    _assert_equal_to_attention(got, (num_devices, split))
+    assert got["slopes_grad_max"] > 1.0
+    for axis in ("data", "model"):
+        assert (axis in got["sharding"]) == (axis in SPLITS[num_devices][split]), got
 
 
 def test_keys_and_values_travel_by_collective_permute(ring_results):
@@ -141,8 +229,33 @@ def test_refusals_name_the_numbers():
         ring_attention(x, jnp.ones((1, 3, 6, 4)), jnp.ones((1, 3, 6, 4)), mesh=mesh)
     with pytest.raises(TypeError, match=r"ring_attention q must be a real floating array"):
         ring_attention(x.astype(jnp.int32), x, x, mesh=mesh)
-    with pytest.raises(ValueError, match=r"local_window_size sides must be ints >= 0"):
+    with pytest.raises(ValueError, match=r"local_window_size left side must be >= 0, got -1"):
         ring_attention(x, x, x, mesh=mesh, local_window_size=(-1, 0))
+    with pytest.raises(ValueError, match=r"query_chunk_size must be a positive int, got 0"):
+        ring_attention(x, x, x, mesh=mesh, query_chunk_size=0)
+    # The rest of the description goes through attention's own checks and messages.
+    with pytest.raises(ValueError, match=r"q_segment_ids of shape \(1, 5\) does not broadcast"):
+        ring_attention(x, x, x, mesh=mesh, q_segment_ids=jnp.zeros((1, 5), jnp.int32))
+    with pytest.raises(TypeError, match=r"q_lengths must be integers"):
+        ring_attention(x, x, x, mesh=mesh, q_lengths=jnp.ones((1,)))
+    with pytest.raises(TypeError, match=r"mask_mod must return booleans"):
+        ring_attention(x, x, x, mesh=mesh, mask_mod=lambda b, h, i, j: i - j)
+    with pytest.raises(ValueError, match=r"logits_soft_cap must be a positive finite number"):
+        ring_attention(x, x, x, mesh=mesh, logits_soft_cap=-1.0)
+
+
+def test_refusal_names_every_part_it_cannot_take():
+    import jax.numpy as jnp
+
+    from jax_mha._masking import Call, Visibility
+    from jax_mha.ring import refusal
+
+    x = jnp.ones((1, 2, 6, 4))
+    assert refusal(Visibility(6, 6, is_causal=True, q_lengths=jnp.ones((1, 1, 1, 1), jnp.int32)), Call(x, x, x)) is None
+    message = refusal(Visibility(6, 6, mask=jnp.ones((6, 6), bool), bias=jnp.zeros((6, 6))),
+                      Call(x, x, x, return_weights=True, dropout=True, empty_rows="uniform"))
+    assert "cannot take mask, bias, return_weights=True, attention dropout, empty_rows='uniform'" in message
+    assert "\n" not in message
 
 
 def test_length_not_a_multiple_of_the_ring_is_refused():
@@ -150,7 +263,6 @@ def test_length_not_a_multiple_of_the_ring_is_refused():
         "import jax, jax.numpy as jnp\n"
         "from jax_mha.parallel import ring_attention\n"
         "mesh = jax.make_mesh((4,), ('sequence',))\n"
-        "x = jnp.ones((1, 2, 10, 4))\n"
         "for causal in (False, True):\n"
         "    try:\n"
         "        ring_attention(jnp.ones((1, 2, 8 if causal else 10, 4)), *[jnp.ones((1, 2, 8 if causal else 10, 4))] * 2,"
