@@ -12,7 +12,11 @@ default run (CI) takes a fixed-seed draw of them, so every run checks the same c
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import random
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +33,8 @@ FEATURES = ("causal", "window", "q_lengths", "kv_lengths", "segments", "mask", "
 PATHS = ("xla", "weights", "blockwise", "pallas_tpu", "pallas_gpu", "decode")
 TRANSFORMS = ("jit", "vmap", "grad", "jvp")
 DRAWN = 90  # cells in the default (CI) draw
+RING_DRAWN = 12  # ring cells in the default draw (one subprocess with 4 host devices runs them)
+RING_DEVICES, RING_N = 4, 16  # N a multiple of P² (the striped causal layout)
 RATE = 0.3
 SLOPES = np.array([0.5, -0.25, 0.125, 1.0, -0.5, 0.75])
 
@@ -39,19 +45,30 @@ def _cells():
 
 
 ALL_CELLS, DRAWN_CELLS = _cells()
+ALL_RING = [("ring", pair, t) for pair in itertools.combinations(FEATURES, 2) for t in TRANSFORMS]
+DRAWN_RING = random.Random(1).sample(ALL_RING, RING_DRAWN)
+
+
+def _name(cell):
+    path, (a, b), t = cell
+    return f"{path}-{a}+{b}-{t}"
 
 
 def pytest_generate_tests(metafunc):
+    full = metafunc.config.getoption("--full-matrix")
     if "cell" in metafunc.fixturenames:
-        cells = ALL_CELLS if metafunc.config.getoption("--full-matrix") else DRAWN_CELLS
-        metafunc.parametrize("cell", cells, ids=[f"{p}-{a}+{b}-{t}" for p, (a, b), t in cells])
+        cells = ALL_CELLS if full else DRAWN_CELLS
+        metafunc.parametrize("cell", cells, ids=[_name(c) for c in cells])
+    if "ring_cell" in metafunc.fixturenames:
+        cells = ALL_RING if full else DRAWN_RING
+        metafunc.parametrize("ring_cell", cells, ids=[_name(c) for c in cells])
 
 
 def problem(features, n):
     """`(attention keywords, reference parts)` for a set of features; n = N = S when
     decoding (self-attention), else N queries against S keys."""
     rng = np.random.default_rng(FEATURES.index(sorted(features)[0]) * 31 + n)
-    s = n if n == S else S
+    s = S if n == N else n  # N queries against S keys; decoding and the ring are self-attention
     kw, ref = {}, dict(cap=None, bias=None, rate=0.0)
     allowed = dict(shape=(B, H, n, s))
     if "causal" in features:
@@ -100,7 +117,7 @@ def problem(features, n):
 def inputs(features, n):
     rng = np.random.default_rng(len(features) + n)
     kv = KV_GQA if "gqa" in features else H
-    s = n if n == S else S
+    s = S if n == N else n  # N queries against S keys; decoding and the ring are self-attention
     return tuple(rng.standard_normal(shape).astype(np.float32)
                  for shape in ((B, H, n, D), (B, kv, s, D), (B, kv, s, D)))
 
@@ -127,6 +144,11 @@ def decode(q, k, v, kw, prefill=8):
 
 def attention_fn(path, kw):
     kw = {name: jnp.asarray(x) if isinstance(x, np.ndarray) else x for name, x in kw.items()}
+    if path == "ring":
+        from jax_mha.ring import ring_attention_fn
+
+        ring = ring_attention_fn(jax.make_mesh((RING_DEVICES,), ("sequence",)), query_chunk_size=2)
+        return lambda q, k, v: ring(q, k, v, **kw)
     if path == "decode":
         return lambda q, k, v: decode(q, k, v, dict(kw))
     if path == "weights":
@@ -152,10 +174,12 @@ def transformed(transform, f, q, k, v):
 NOT_APPLICABLE = {  # (path, feature): a combination that has no meaning there
     ("decode", "q_lengths"), ("decode", "kv_lengths"), ("decode", "uniform_rows"), ("decode", "dropout"),
 }
+RING_REFUSES = {"mask": "mask", "bias": "bias", "dropout": "dropout", "uniform_rows": "empty_rows"}
 # What a path refuses, and the word its message must contain.
 REFUSES = {
     "blockwise": {"dropout": "dropout"},
     "decode": {},
+    "ring": RING_REFUSES,
     "pallas_tpu": {"bias": "bias", "mask": "mask", "score_mod": "score_mod", "mask_mod": "mask_mod",
                    "dropout": "dropout"},
     "pallas_gpu": {"bias": "bias", "mask": "mask", "score_mod": "score_mod", "mask_mod": "mask_mod",
@@ -164,27 +188,66 @@ REFUSES = {
 }
 
 
-def test_cell(cell):
-    path, pair, transform = cell
+def check_cell(path, pair, transform) -> str:
+    """Runs one cell: "ok" (equal to the reference), "refused" (by name, as the path
+    documents), "n/a"; anything else raises."""
     if any((path, f) in NOT_APPLICABLE for f in pair):
-        pytest.skip(f"{path} has no {pair}")
-    n = S if path == "decode" else N
+        return "n/a"
+    n = {"decode": S, "ring": RING_N}.get(path, N)
     kw, ref = problem(set(pair) | ({"causal"} if path == "decode" else set()), n)
-    q, k, v = inputs(pair, n)
+    q, k, v = (jnp.asarray(x) for x in inputs(pair, n))
     f = attention_fn(path, kw)
-    refused = [REFUSES.get(path, {}).get(feature) for feature in pair if feature in REFUSES.get(path, {})]
+    refused = [REFUSES.get(path, {})[feature] for feature in pair if feature in REFUSES.get(path, {})]
     if refused:
         with pytest.raises(ValueError, match="|".join(refused)):
-            transformed(transform, f, *(jnp.asarray(x) for x in (q, k, v)))
-        return
-    if transform == "jvp" and path.startswith("pallas"):
-        with pytest.raises(TypeError, match="custom_vjp"):  # the kernels differentiate in reverse mode only
-            transformed(transform, f, *(jnp.asarray(x) for x in (q, k, v)))
-        return
-    got = transformed(transform, f, *(jnp.asarray(x) for x in (q, k, v)))
+            transformed(transform, f, q, k, v)
+        return "refused"
+    if transform == "jvp" and path in ("pallas_tpu", "pallas_gpu", "ring"):
+        with pytest.raises(TypeError, match="custom_vjp"):  # these differentiate in reverse mode only
+            transformed(transform, f, q, k, v)
+        return "refused"
+    got = transformed(transform, f, q, k, v)
     with x64():
         g = lambda *a: jax_reference(*a, **{name: jnp.asarray(x) if isinstance(x, np.ndarray) else x
                                             for name, x in ref.items()})
         want = transformed(transform, g, *(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5,
                                                                    rtol=2e-5), got, want)
+    return "ok"
+
+
+def test_cell(cell):
+    if check_cell(*cell) == "n/a":
+        pytest.skip(f"{cell[0]} has no {cell[1]}")
+
+
+@pytest.fixture(scope="module")
+def ring_results(request):
+    """The ring cells, run in one subprocess with 4 forced host devices (XLA fixes the
+    device count at start-up): `{cell name: "ok" | "refused" | the error}`."""
+    cells = ALL_RING if request.config.getoption("--full-matrix") else DRAWN_RING
+    flags = f"--xla_force_host_platform_device_count={RING_DEVICES} --xla_backend_optimization_level=0"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, __file__, json.dumps(cells)], env=env, capture_output=True, text=True,
+                          timeout=1500, cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_ring_cell(ring_cell, ring_results):
+    status = ring_results[_name(ring_cell)]
+    assert status in ("ok", "refused", "n/a"), status
+
+
+def _ring_main(cells) -> dict:
+    results = {}
+    for path, pair, transform in cells:
+        try:
+            results[_name((path, pair, transform))] = check_cell(path, tuple(pair), transform)
+        except Exception as e:  # reported to the parent test, which fails on it
+            results[_name((path, pair, transform))] = f"{type(e).__name__}: {str(e)[:500]}"
+    return results
+
+
+if __name__ == "__main__":
+    print(json.dumps(_ring_main(json.loads(sys.argv[1]))))
