@@ -10,6 +10,17 @@ Nothing here imports torch: pass `{k: v.numpy() for k, v in m.state_dict().items
 * `flax.linen.MultiHeadDotProductAttention` (and `flax.nnx.MultiHeadAttention`):
   DenseGeneral kernels `(d_in, H, D)` / `(H, D, d_out)` ↔ our `(d_in, H*D)` /
   `(H*D, d_out)` by a reshape; `query_ln`/`key_ln` scales are shared as they are.
+
+Loading refuses what it would drop. A converted parameter needs a module built with
+the option that gives it a place: `query/key/value` biases need `qkv_bias=True`, an
+`out` bias `out_bias=True`, `bias_k`/`bias_v` `add_bias_kv=True`, `query_ln`/`key_ln`
+`normalize_qk=True`. The rule is presence, not value: a bias that is zero (PyTorch
+initialises its biases to zero) is still a trained parameter and is refused all the
+same, and a parameter the module has but the weights lack is refused the other way
+(build with the option off). `jax_mha.MultiHeadAttention.apply` and
+`jax_mha.nnx.from_linen_params` raise a one-line `ValueError` naming the option;
+`to_torch_state_dict` and `to_flax` refuse parameters the other library has no place
+for.
 """
 
 from __future__ import annotations
@@ -21,6 +32,14 @@ import numpy as np
 _TORCH_KEYS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
                "out_proj.weight", "out_proj.bias", "bias_k", "bias_v")
 _PROJECTIONS = ("query", "key", "value", "out")
+# The MultiHeadAttention option that gives each optional parameter its place, keyed by
+# the tail of the parameter's path (so a path inside a whole model, under a block's
+# "attention", finds it too). `sinks`: the per-head sink logits of `sinks=True`.
+_OPTIONS = {
+    ("query", "bias"): "qkv_bias", ("key", "bias"): "qkv_bias", ("value", "bias"): "qkv_bias",
+    ("out", "bias"): "out_bias", ("query_ln", "scale"): "normalize_qk", ("key_ln", "scale"): "normalize_qk",
+    ("bias_k",): "add_bias_kv", ("bias_v",): "add_bias_kv", ("sinks",): "sinks",
+}
 
 
 def _array(x) -> np.ndarray:
@@ -32,6 +51,42 @@ def _check_keys(what: str, keys, allowed, required=()) -> None:
     missing = sorted(set(required) - set(keys))
     if unknown or missing:
         raise ValueError(f"{what}: unexpected keys {unknown}, missing keys {missing} (expected among {list(allowed)})")
+
+
+def _option_of(path: tuple[str, ...]) -> str | None:
+    """The `MultiHeadAttention` option that creates the parameter at `path`, or None."""
+    for tail, option in _OPTIONS.items():
+        if tuple(path[-len(tail):]) == tail:
+            return option
+    return None
+
+
+def _attention_parameters(options: Mapping[str, bool]) -> set[tuple[str, ...]]:
+    """Paths of the parameters a `MultiHeadAttention` with these flags (`qkv_bias`,
+    `out_bias`, `normalize_qk`, `add_bias_kv`, `sinks`) owns."""
+    paths = {(name, "kernel") for name in _PROJECTIONS}
+    return paths | {path for path, option in _OPTIONS.items() if options.get(option, False)}
+
+
+def _placement_problem(unexpected, missing) -> str | None:
+    """One line saying which parameters a module has no place for (`unexpected`, it
+    would drop them) or lacks (`missing`), with the option to change; None if neither.
+
+    Args:
+      unexpected, missing: iterables of parameter paths (tuples of names).
+    """
+    def fix(paths, on: bool) -> str:
+        options = sorted({f"{_option_of(p)}={on}" for p in paths if _option_of(p)})
+        return f"build it with {', '.join(options)}" if options else "no MultiHeadAttention option changes that"
+
+    names = lambda paths: sorted("/".join(p) for p in paths)
+    parts = []
+    if unexpected:
+        parts.append(f"the weights have {names(unexpected)}, which the module has no place for and would drop: "
+                     f"{fix(unexpected, True)}")
+    if missing:
+        parts.append(f"the module needs {names(missing)}, which the weights lack: {fix(missing, False)}")
+    return "; ".join(parts) or None
 
 
 def from_torch_state_dict(state_dict: Mapping, *, prefix: str = "") -> dict:
@@ -50,7 +105,9 @@ def from_torch_state_dict(state_dict: Mapping, *, prefix: str = "") -> dict:
       The `params` dict (NumPy): `query/kernel (E, E)`, `key/kernel (kdim, E)`,
       `value/kernel (vdim, E)`, `out/kernel (E, E)`, biases `(E,)`, `bias_k`/`bias_v
       (E,)`. Load it into `MultiHeadAttention(num_heads=H, qkv_bias=bias,
-      out_bias=bias, add_bias_kv=..., add_zero_attn=...)`.
+      out_bias=bias, add_bias_kv=..., add_zero_attn=...)`; a module built without
+      `qkv_bias=True` (or `out_bias`, `add_bias_kv`) for weights that have those
+      parameters refuses them when applied (see the module docstring).
 
     Raises:
       ValueError: naming the keys, for unknown or missing entries.
@@ -77,7 +134,8 @@ def _torch_layout_problem(params: Mapping) -> str | None:
     """Why these parameters have no `torch.nn.MultiheadAttention` equivalent, or None."""
     extra = sorted(set(params) - set(_PROJECTIONS) - {"bias_k", "bias_v"})
     if extra:
-        return f"torch.nn.MultiheadAttention has no parameters like {extra} (QK-norm)"
+        options = sorted({f"{_option_of((name,)) or _option_of((name, 'scale'))}=True" for name in extra})
+        return f"torch.nn.MultiheadAttention has no parameters like {extra} (from {', '.join(options)})"
     e = params["query"]["kernel"].shape[1]
     shapes = {name: tuple(params[name]["kernel"].shape) for name in _PROJECTIONS}
     if shapes["query"][0] != e or shapes["out"] != (e, e):
@@ -108,9 +166,12 @@ def to_torch_state_dict(params: Mapping, *, prefix: str = "") -> dict:
       `m.load_state_dict({k: torch.from_numpy(v) for k, v in sd.items()})`.
 
     Raises:
-      ValueError: naming the shapes, when torch has no equivalent layer.
+      ValueError: naming the shapes or the parameters, when torch has no equivalent
+        layer (QK-norm, GQA, output widths, one bias flag) or no place for a parameter.
     """
-    _check_keys("params", params, _PROJECTIONS + ("bias_k", "bias_v", "query_ln", "key_ln"), _PROJECTIONS)
+    _check_keys("params", params, _PROJECTIONS + ("bias_k", "bias_v", "query_ln", "key_ln", "sinks"), _PROJECTIONS)
+    for name in _PROJECTIONS:
+        _check_keys(f"params[{name!r}]", params[name], ("kernel", "bias"), ("kernel",))
     problem = _torch_layout_problem(params)
     if problem:
         raise ValueError(problem)
@@ -246,6 +307,8 @@ def to_flax(params: Mapping, num_heads: int) -> dict:
     """
     _check_keys("params for flax (no bias_k/bias_v there)", params, _PROJECTIONS + ("query_ln", "key_ln"),
                 _PROJECTIONS)
+    for name in _PROJECTIONS:
+        _check_keys(f"params[{name!r}]", params[name], ("kernel", "bias"), ("kernel",))
     with_bias = {name: "bias" in params[name] for name in _PROJECTIONS}
     if len(set(with_bias.values())) > 1:
         raise ValueError(f"flax has one `use_bias` flag for all projections, got biases {with_bias}")

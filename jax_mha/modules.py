@@ -12,13 +12,51 @@ import functools
 import math
 from typing import Any, Callable
 
+import flax.errors
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.traverse_util import flatten_dict
 
 from jax_mha import _attend
 from jax_mha._projection import projection_dot_general
 from jax_mha.functional import combine_heads, split_heads
+from jax_mha.interop import _attention_parameters, _placement_problem
+
+
+class _FlaxCompatibleValueError(ValueError):
+    """A one-line ValueError that code catching flax's error for the same mistake (a
+    second base class) still catches; flax's link to its error page is left out."""
+
+    def __init__(self, message: str):
+        Exception.__init__(self, message)
+
+    def __reduce__(self):
+        return type(self), (str(self),)
+
+
+class _CacheImmutableError(_FlaxCompatibleValueError, flax.errors.ModifyScopeVariableError):
+    """Decoding applied without `mutable=["cache"]`."""
+
+
+class _NoDropoutRngError(_FlaxCompatibleValueError, flax.errors.InvalidRngError):
+    """Dropout applied without a "dropout" rng."""
+
+
+def _require_mutable_cache(module: nn.Module) -> None:
+    """Raises, before any write, when decoding cannot write the "cache" collection."""
+    if not module.is_mutable_collection("cache"):
+        raise _CacheImmutableError(f'{type(module).__name__}(decode=True) writes the "cache" collection at every '
+                                   'step: call apply(variables, x, mutable=["cache"]) and keep the returned cache')
+
+
+def _require_dropout_rng(module: nn.Module, rate: float, deterministic: bool, key_argument: bool = False) -> None:
+    """Raises when dropout at `rate` will run (not `deterministic`) without a "dropout" rng."""
+    if rate > 0.0 and not deterministic and not module.has_rng("dropout"):
+        argument = " or dropout_rng=key" if key_argument else ""
+        raise _NoDropoutRngError(f'{type(module).__name__}: dropout_rate={rate} with deterministic=False needs a '
+                                 f'"dropout" rng: pass apply(..., rngs={{"dropout": key}}){argument}, '
+                                 'or set deterministic=True')
 
 
 def extra_kv_init(features: int) -> Callable:
@@ -46,6 +84,12 @@ class MultiHeadAttention(nn.Module):
     positions continue from `cache_index`. Writing past L raises a `ValueError`
     outside jit; under jit, where the index is traced, the outputs of such a call
     are NaN instead.
+
+    Given weights (`apply({"params": params}, ...)`, e.g. from `jax_mha.interop`)
+    must fit the options: a parameter the module has no place for (a `query/bias`
+    without `qkv_bias=True`, an `out/bias` with `out_bias=False`, `bias_k` without
+    `add_bias_kv`, `query_ln` without `normalize_qk`), which flax would silently
+    ignore, raises a `ValueError` naming the option, as does one it needs and lacks.
 
     Attributes:
       num_heads: H, query heads.
@@ -128,6 +172,25 @@ class MultiHeadAttention(nn.Module):
                 widths[name] = nn.meta.unbox(kernel).shape[0]  # (d_in, features)
         return widths
 
+    def _check_loaded_params(self) -> None:
+        """Refuses given parameters this configuration has no place for (flax would
+        ignore them silently) or lacks (see `jax_mha.interop`).
+
+        Raises:
+          ValueError: naming the parameters and the option to change.
+        """
+        params = self.variables.get("params")
+        if self.is_initializing() or not params:
+            return
+        have = set(flatten_dict(params))
+        want = _attention_parameters({"qkv_bias": self.qkv_bias, "out_bias": self.out_bias,
+                                      "normalize_qk": self.normalize_qk, "add_bias_kv": self.add_bias_kv,
+                                      "sinks": getattr(self, "sinks", False)})  # read once the field exists
+        missing = set() if self.is_mutable_collection("params") else want - have  # mutable: flax may create them
+        problem = _placement_problem(have - want, missing)
+        if problem:
+            raise ValueError(f"MultiHeadAttention params: {problem}")
+
     def _dense(self, features: int, name: str, use_bias: bool, out: bool = False) -> nn.Dense:
         return nn.Dense(
             features, use_bias=use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
@@ -154,6 +217,8 @@ class MultiHeadAttention(nn.Module):
         if not initialized and not self.is_initializing():
             raise ValueError('decode=True needs the "cache" collection from init (with an input of the maximum '
                              'length): apply({"params": params, "cache": cache}, x, mutable=["cache"])')
+        if initialized:
+            _require_mutable_cache(self)
         key = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
         value = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
         index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
@@ -234,11 +299,15 @@ class MultiHeadAttention(nn.Module):
         Raises:
           ValueError: naming the numbers, for indivisible head counts, a key/value
             length or batch mismatch, inputs of rank < 2, input widths other than the
-            existing kernels', a bad mask/head_mask, decoding past the cache, or
-            decoding without the cache from `init`.
+            existing kernels', a bad mask/head_mask, decoding past the cache,
+            decoding without the cache from `init` or without `mutable=["cache"]`,
+            dropout without a "dropout" rng or `dropout_rng`, and given `params` with
+            a parameter this configuration has no place for (or lacks; the message
+            names the option, e.g. `qkv_bias=True`).
         """
         key, value = _attend.check_inputs(query, key, value)
         _attend.check_widths({"query": query, "key": key, "value": value}, self._built_widths())
+        self._check_loaded_params()
         d_model = self.d_model if self.d_model is not None else query.shape[-1]
         kv_heads, head_dim = _attend.head_sizes(self.num_heads, d_model, self.num_kv_heads)
         q = split_heads(self._dense(d_model, "query", self.qkv_bias)(query), self.num_heads)  # (B…, H, N, D)
@@ -250,6 +319,7 @@ class MultiHeadAttention(nn.Module):
         cache = self._cache(k, v, segment_ids)
         sow = sow_weights or self.sow_weights
         if self.dropout_rate > 0.0 and not deterministic and dropout_rng is None:
+            _require_dropout_rng(self, self.dropout_rate, deterministic, key_argument=True)
             dropout_rng = self.make_rng("dropout")
         out, weights, cache = _attend.attend(
             q, k, v, mask=mask, bias=bias, is_causal=is_causal, local_window_size=local_window_size,
@@ -287,7 +357,12 @@ class FeedForward(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, *, deterministic: bool = True) -> jax.Array:
-        """`(B…, N, d_model) -> (B…, N, d_model)`."""
+        """`(B…, N, d_model) -> (B…, N, d_model)`.
+
+        Raises:
+          ValueError: for dropout (`deterministic=False`) without a "dropout" rng.
+        """
+        _require_dropout_rng(self, self.dropout_rate, deterministic)
         dense = lambda features, name: nn.Dense(
             features, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision, name=name
         )
@@ -323,6 +398,11 @@ class TransformerBlock(nn.Module):
       implementation: attention implementation, see `jax_mha.attention`.
       decode, normalize_qk, rope, rope_base, sow_weights, attention_fn: as in
         `MultiHeadAttention`.
+      head_dim: D, the size of each head. None (default): `d_model // num_heads`.
+        An int: the attention projects d_model to `num_heads * head_dim` and back
+        (`MultiHeadAttention(d_model=num_heads * head_dim, out_features=d_model)`),
+        so num_heads need not divide d_model and the head count and head size vary
+        apart (Bhojanapalli et al. 2020). Same parameter names either way.
     """
 
     num_heads: int
@@ -341,6 +421,7 @@ class TransformerBlock(nn.Module):
     rope_base: float = 10000.0
     sow_weights: bool = False
     attention_fn: Callable | None = None
+    head_dim: int | None = None
 
     def __post_init__(self):
         _attend.check_dropout_rate(self.dropout_rate)
@@ -348,6 +429,7 @@ class TransformerBlock(nn.Module):
         _attend.check_attention_fn(self.attention_fn)
         _attend.check_width("d_ff", self.d_ff)
         _attend.check_width("num_heads", self.num_heads)
+        _attend.check_width("head_dim", self.head_dim, allow_none=True)
         super().__post_init__()
 
     @nn.compact
@@ -372,9 +454,14 @@ class TransformerBlock(nn.Module):
 
         Raises:
           TypeError: for a keyword `MultiHeadAttention.__call__` does not take.
+          ValueError: for dropout (`deterministic=False`) without a "dropout" rng,
+            and as `MultiHeadAttention.__call__`.
         """
+        _require_dropout_rng(self, self.dropout_rate, deterministic)
+        width = None if self.head_dim is None else self.num_heads * self.head_dim  # None: d_model
         mha = MultiHeadAttention(
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, dropout_rate=self.attention_dropout_rate,
+            num_heads=self.num_heads, d_model=width, out_features=None if width is None else x.shape[-1],
+            num_kv_heads=self.num_kv_heads, dropout_rate=self.attention_dropout_rate,
             dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision,
             implementation=self.implementation, decode=self.decode, normalize_qk=self.normalize_qk,
             rope=self.rope, rope_base=self.rope_base, sow_weights=self.sow_weights, attention_fn=self.attention_fn,

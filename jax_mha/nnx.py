@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+import flax.errors
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -24,10 +25,35 @@ from flax import nnx
 from jax_mha import _attend
 from jax_mha._projection import projection_dot_general
 from jax_mha.functional import combine_heads, split_heads
+from jax_mha.interop import _placement_problem
+from jax_mha.modules import _FlaxCompatibleValueError
+
+
+class _CacheTraceError(_FlaxCompatibleValueError, flax.errors.TraceContextError):
+    """Decoding inside a plain JAX transform, which cannot write the `nnx.Cache`."""
 
 
 def _first(*values):
     return next(v for v in values if v is not None)
+
+
+def _dropout_stream(rngs: nnx.Rngs):
+    """The "dropout" stream of `rngs` (its "default" stands in, as in flax); None
+    when it has neither: the call that drops out then says what to pass."""
+    return rngs.dropout if "dropout" in rngs or "default" in rngs else None
+
+
+def _no_dropout_rng(owner: str, rate: float) -> ValueError:
+    call = ", pass rngs=nnx.Rngs(dropout=key) or dropout_rng=key to the call" if owner == "MultiHeadAttention" else ""
+    return ValueError(f'{owner}: dropout_rate={rate} with deterministic=False needs a "dropout" rng: build it with '
+                      f'rngs=nnx.Rngs(params=..., dropout=...) (or nnx.Rngs(seed)){call}, or set '
+                      'deterministic=True (model.eval())')
+
+
+def _check_dropout(owner: str, dropout: nnx.Dropout, deterministic: bool | None) -> None:
+    """Raises when `dropout` will run (rate > 0, not deterministic) with no stream."""
+    if dropout.rate > 0.0 and not _first(deterministic, dropout.deterministic, True) and dropout.rngs is None:
+        raise _no_dropout_rng(owner, dropout.rate)
 
 
 class MultiHeadAttention(nnx.Module):
@@ -122,7 +148,8 @@ class MultiHeadAttention(nnx.Module):
             self.bias_v = nnx.Param(init(rngs.params(), (kv_features,), param_dtype))
         else:
             self.bias_k = self.bias_v = nnx.data(None)
-        self.rngs = rngs.dropout.fork() if dropout_rate > 0 else nnx.data(None)
+        stream = _dropout_stream(rngs) if dropout_rate > 0 else None
+        self.rngs = nnx.data(None) if stream is None else stream.fork()
         self.cached_key = self.cached_value = self.cache_index = self.cached_segment_ids = nnx.data(None)
 
     def init_cache(self, input_shape: tuple[int, ...], dtype: Any = None, *, segment_ids: bool = False) -> None:
@@ -153,10 +180,28 @@ class MultiHeadAttention(nnx.Module):
     def _dropout_rng(self, deterministic, dropout_rng, rngs):
         if self.dropout_rate == 0.0 or _first(deterministic, self.deterministic) or dropout_rng is not None:
             return dropout_rng
-        stream = rngs.dropout if isinstance(rngs, nnx.Rngs) else _first(rngs, self.rngs, False)
+        if isinstance(rngs, nnx.Rngs):
+            rngs = rngs.dropout if "dropout" in rngs or "default" in rngs else None
+        stream = _first(rngs, self.rngs, False)
         if stream is False:
-            raise ValueError("dropout with deterministic=False needs a dropout_rng key or rngs")
+            raise _no_dropout_rng("MultiHeadAttention", self.dropout_rate)
         return stream()
+
+    def _write_cache(self, cache: _attend.Cache) -> None:
+        """Stores the decoding step's cache in the `nnx.Cache` variables.
+
+        Raises:
+          ValueError: inside a plain JAX transform (`jax.jit`, `jax.lax.scan` over a
+            closure), which cannot update them in place.
+        """
+        try:
+            self.cached_key[...], self.cached_value[...], self.cache_index[...] = cache[:3]
+            if cache.segment_ids is not None:
+                self.cached_segment_ids[...] = cache.segment_ids
+        except flax.errors.TraceContextError as error:
+            raise _CacheTraceError("decode=True updates the module's nnx.Cache in place, which a plain jax "
+                                   "transform cannot: use nnx.jit (or nnx.split the model, nnx.merge it inside "
+                                   "and return nnx.state(model, nnx.Cache))") from error
 
     def __call__(
         self,
@@ -191,6 +236,11 @@ class MultiHeadAttention(nnx.Module):
 
         Returns:
           `(B…, N, out_features)`, or `(out, weights (B…, H, N, S))`.
+
+        Raises:
+          ValueError: as the linen module's; also for decoding without `init_cache`
+            or inside a plain JAX transform (use `nnx.jit`), and for dropout with no
+            "dropout" stream (neither at construction nor in the call).
         """
         key, value = _attend.check_inputs(query, key, value)
         _attend.check_widths({"query": query, "key": key, "value": value},
@@ -212,9 +262,7 @@ class MultiHeadAttention(nnx.Module):
             attention_fn=self.attention_fn, score_mod=score_mod, mask_mod=mask_mod, logits_soft_cap=logits_soft_cap,
         )
         if cache is not None:
-            self.cached_key[...], self.cached_value[...], self.cache_index[...] = cache[:3]
-            if cache.segment_ids is not None:
-                self.cached_segment_ids[...] = cache.segment_ids
+            self._write_cache(cache)
         if sow:
             self.sow(nnx.Intermediate, "attention_weights", weights)
         out = self.out(combine_heads(out))  # (B…, N, out_features)
@@ -231,10 +279,15 @@ class FeedForward(nnx.Module):
         linear = lambda d_in, d_out: nnx.Linear(d_in, d_out, dtype=dtype, param_dtype=param_dtype,
                                                 precision=precision, rngs=rngs)
         self.hidden, self.output = linear(d_model, d_ff), linear(d_ff, d_model)
-        self.dropout = nnx.Dropout(dropout_rate, deterministic=deterministic, rngs=rngs)
+        self.dropout = nnx.Dropout(dropout_rate, deterministic=deterministic, rngs=_dropout_stream(rngs))
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None) -> jax.Array:
-        """`(B…, N, d_model) -> (B…, N, d_model)`."""
+        """`(B…, N, d_model) -> (B…, N, d_model)`.
+
+        Raises:
+          ValueError: for dropout when `rngs` had no "dropout" (or "default") stream.
+        """
+        _check_dropout("FeedForward", self.dropout, deterministic)
         h = jax.nn.gelu(self.hidden(x), approximate=False)  # exact GELU, as torch.nn.GELU's default
         return self.output(self.dropout(h, deterministic=deterministic))
 
@@ -244,7 +297,8 @@ class TransformerBlock(nnx.Module):
     `jax_mha.TransformerBlock` (post-norm by default, pre-norm with `pre_norm=True`).
     `num_heads`, `d_ff`, `num_kv_heads`, `dropout_rate`, `attention_dropout_rate`,
     `pre_norm`, `dtype`, `param_dtype`, `precision`, `implementation`, `decode`,
-    `normalize_qk`, `rope`, `rope_base`, `sow_weights` and `attention_fn` are as in
+    `normalize_qk`, `rope`, `rope_base`, `sow_weights`, `attention_fn` and `head_dim`
+    (None: `d_model // num_heads`; an int D: attention `num_heads * D` wide) are as in
     the linen block.
 
     Args:
@@ -258,18 +312,21 @@ class TransformerBlock(nnx.Module):
 
     def __init__(
         self, d_model: int, num_heads: int, d_ff: int, *, num_kv_heads: int | None = None,
-        dropout_rate: float = 0.0, attention_dropout_rate: float = 0.0, pre_norm: bool = False,
-        deterministic: bool = True, dtype: Any = None, param_dtype: Any = jnp.float32, precision: Any = None,
-        implementation: str | None = "auto", decode: bool = False, normalize_qk: bool = False, rope: bool = False,
-        rope_base: float = 10000.0, sow_weights: bool = False, attention_fn: Callable | None = None,
+        head_dim: int | None = None, dropout_rate: float = 0.0, attention_dropout_rate: float = 0.0,
+        pre_norm: bool = False, deterministic: bool = True, dtype: Any = None, param_dtype: Any = jnp.float32,
+        precision: Any = None, implementation: str | None = "auto", decode: bool = False, normalize_qk: bool = False,
+        rope: bool = False, rope_base: float = 10000.0, sow_weights: bool = False, attention_fn: Callable | None = None,
         rngs: nnx.Rngs,
     ):
         _attend.check_dropout_rate(dropout_rate)
         _attend.check_dropout_rate(attention_dropout_rate, "attention_dropout_rate")
         _attend.check_width("d_ff", d_ff)
         self.pre_norm = pre_norm
+        head_dim = _attend.check_width("head_dim", head_dim, allow_none=True)
+        width = None if head_dim is None else _attend.check_width("num_heads", num_heads) * head_dim  # None: d_model
         self.attention = MultiHeadAttention(
-            num_heads, d_model, num_kv_heads=num_kv_heads, dropout_rate=attention_dropout_rate,
+            num_heads, d_model, d_model=width, out_features=None if width is None else d_model,
+            num_kv_heads=num_kv_heads, dropout_rate=attention_dropout_rate,
             deterministic=deterministic, dtype=dtype, param_dtype=param_dtype, precision=precision,
             implementation=implementation, decode=decode, normalize_qk=normalize_qk, rope=rope, rope_base=rope_base,
             sow_weights=sow_weights, attention_fn=attention_fn, rngs=rngs,
@@ -279,7 +336,7 @@ class TransformerBlock(nnx.Module):
         self.norm1, self.norm2 = norm(), norm()
         self.ffn = FeedForward(d_model, d_ff, dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype,
                                param_dtype=param_dtype, precision=precision, rngs=rngs)
-        self.dropout = nnx.Dropout(dropout_rate, deterministic=deterministic, rngs=rngs)
+        self.dropout = nnx.Dropout(dropout_rate, deterministic=deterministic, rngs=_dropout_stream(rngs))
 
     def init_cache(self, input_shape: tuple[int, ...], dtype: Any = None, *, segment_ids: bool = False) -> None:
         """`init_cache` of the attention: `input_shape` `(B…, L, d_model)`."""
@@ -300,7 +357,12 @@ class TransformerBlock(nnx.Module):
 
         Returns:
           `(B…, N, d_model)`, or `(y, weights)` with `return_weights=True`.
+
+        Raises:
+          ValueError: for dropout when `rngs` had no "dropout" (or "default") stream,
+            and as `MultiHeadAttention.__call__`.
         """
+        _check_dropout("TransformerBlock", self.dropout, deterministic)
         drop = lambda y: self.dropout(y, deterministic=deterministic)
 
         def attend(y):
@@ -325,18 +387,31 @@ def to_linen_params(module: nnx.Module) -> dict:
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
 
+def _shapes(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """`{path as names: shape}` of a nested dict's leaves."""
+    name = lambda entry: str(getattr(entry, "key", getattr(entry, "name", entry)))
+    return {tuple(map(name, path)): jnp.shape(x) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
 def from_linen_params(module: nnx.Module, params: dict) -> nnx.Module:
     """Loads a linen twin's `params` into `module` (in place) and returns it.
 
+    Nothing is dropped or made up: a parameter the module has no place for (a
+    `query/bias` without `qkv_bias=True`, say) or one it lacks is refused, as the
+    linen module refuses them (see `jax_mha.interop`).
+
     Raises:
-      ValueError: naming the paths, when the parameter trees differ in names or shapes.
+      ValueError: naming the paths (and the option that gives a parameter its place),
+        when the parameter trees differ in names or shapes.
     """
     ours = to_linen_params(module)
-    shapes = lambda tree: {jax.tree_util.keystr(p): jnp.shape(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
-    have, want = shapes(params), shapes(ours)
-    if have != want:
-        diff = sorted(set(have.items()) ^ set(want.items()))
-        raise ValueError(f"linen params do not match the module's (path, shape) pairs; differing: {diff}")
+    have, want = _shapes(params), _shapes(ours)
+    problem = _placement_problem(set(have) - set(want), set(want) - set(have))
+    reshaped = sorted(("/".join(p), have[p], want[p]) for p in set(have) & set(want) if have[p] != want[p])
+    if reshaped:
+        problem = "; ".join(filter(None, [problem, f"shapes (path, given, the module's) differ: {reshaped}"]))
+    if problem:
+        raise ValueError(f"linen params do not fit the {type(module).__name__}: {problem}")
     state = nnx.state(module, nnx.Param)
     nnx.replace_by_pure_dict(state, jax.tree_util.tree_map(jnp.asarray, params))
     nnx.update(module, state)

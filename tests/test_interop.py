@@ -24,6 +24,7 @@ from jax_mha import (
     to_flax,
     to_torch_state_dict,
 )
+from jax_mha import nnx as jnnx
 
 # B, N, S, H, D: distinct primes; E = H * D.
 B, N, S, H, D = 2, 5, 7, 3, 4
@@ -90,6 +91,70 @@ def test_torch_conversion_errors(rng):
     wide = {**params, "out": {"kernel": np.ones((E, 5)), "bias": np.ones(5)}}
     with pytest.raises(ValueError, match="query and output widths equal to embed_dim=12"):
         to_torch_state_dict(wide)
+    # Ours -> torch: a parameter torch has no place for is refused, naming the option it came from.
+    with pytest.raises(ValueError, match=re.escape("no parameters like ['sinks'] (from sinks=True)")):
+        to_torch_state_dict({**params, "sinks": np.zeros(H)})
+    with pytest.raises(ValueError, match=re.escape("params['query']: unexpected keys ['scale']")):
+        to_torch_state_dict({**params, "query": {**params["query"], "scale": np.ones(D)}})
+
+
+def np_torch_mha(sd, query, key, value, np_attention):
+    """`torch.nn.MultiheadAttention`'s forward pass from its state dict, in float64,
+    written from PyTorch's documentation (biases added after each projection,
+    `bias_k`/`bias_v` appended as one more key and value)."""
+    f = lambda a: np.asarray(a, np.float64)
+    w = np.split(f(sd["in_proj_weight"]), 3) if "in_proj_weight" in sd else [f(sd[f"{c}_proj_weight"]) for c in "qkv"]
+    b = np.split(f(sd["in_proj_bias"]), 3) if "in_proj_bias" in sd else [0.0] * 3
+    q, k, v = (f(x) @ wi.T + bi for x, wi, bi in zip((query, key, value), w, b))  # (B, L, E)
+    if "bias_k" in sd:
+        k = np.concatenate([k, np.broadcast_to(f(sd["bias_k"]), (len(k), 1, E))], axis=1)
+        v = np.concatenate([v, np.broadcast_to(f(sd["bias_v"]), (len(v), 1, E))], axis=1)
+    heads = lambda x: x.reshape(*x.shape[:2], H, D).swapaxes(1, 2)  # (B, H, L, D)
+    out, _ = np_attention(heads(q), heads(k), heads(v))
+    out = out.swapaxes(1, 2).reshape(*query.shape[:2], E) @ f(sd["out_proj.weight"]).T
+    return out + (f(sd["out_proj.bias"]) if "out_proj.bias" in sd else 0.0)
+
+
+# (torch layout, a module without a place for some of it, what the refusal says)
+REFUSALS = {
+    "qkv_biases": (dict(), dict(qkv_bias=False), "have ['key/bias', 'query/bias', 'value/bias'], which the module "
+                                                  "has no place for and would drop: build it with qkv_bias=True"),
+    "out_bias": (dict(), dict(out_bias=False), "have ['out/bias'], which the module has no place for and would "
+                                                "drop: build it with out_bias=True"),
+    "bias_kv": (dict(bias=False, add_bias_kv=True), dict(add_bias_kv=False),
+                "have ['bias_k', 'bias_v'], which the module has no place for and would drop: "
+                "build it with add_bias_kv=True"),
+    "missing_out_bias": (dict(bias=False), dict(out_bias=True),
+                         "needs ['out/bias'], which the weights lack: build it with out_bias=False"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_loading_refuses_torch_parameters_the_module_has_no_place_for(rng, np_attention, case):
+    """Flax ignores given parameters a module does not read: loading torch's biases into
+    a module without `qkv_bias=True` used to drop them silently."""
+    layout, wrong, message = REFUSALS[case]
+    sd = torch_like_state_dict(rng, **layout)  # every entry nonzero, the biases included
+    params = from_torch_state_dict(sd)
+    x = normal(rng, (B, N, E))
+    bias = layout.get("bias", True)
+    right = dict(qkv_bias=bias, out_bias=bias, add_bias_kv=layout.get("add_bias_kv", False))
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        MultiHeadAttention(num_heads=H, **{**right, **wrong}).apply({"params": params}, x)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        jnnx.from_linen_params(jnnx.MultiHeadAttention(H, E, **{**right, **wrong}, rngs=nnx.Rngs(0)), params)
+    if case == "qkv_biases":  # presence decides, not value: torch's zero-initialised biases are refused too
+        zero = from_torch_state_dict({**sd, "in_proj_bias": np.zeros(3 * E, np.float32)})
+        with pytest.raises(ValueError, match="qkv_bias=True"):
+            MultiHeadAttention(num_heads=H, **{**right, **wrong}).apply({"params": zero}, x)
+
+    # The module the weights ask for reproduces torch's layer (linen and NNX alike).
+    expected = np_torch_mha(sd, x, x, x, np_attention)
+    out = MultiHeadAttention(num_heads=H, **right).apply({"params": params}, x)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    twin = jnnx.from_linen_params(jnnx.MultiHeadAttention(H, E, **right, rngs=nnx.Rngs(0)), params)
+    np.testing.assert_allclose(twin(x), out, rtol=1e-6, atol=1e-6)
 
 
 def test_mask_from_torch_conventions():
@@ -208,3 +273,8 @@ def test_flax_conversion_errors(rng):
         from_flax({**params, "query": {"kernel": np.ones((E, E))}})
     with pytest.raises(ValueError, match=re.escape("unexpected keys ['bias_k']")):
         to_flax({**params, "bias_k": np.ones(E)}, num_heads=H)
+    # flax's one use_bias=True into our default module (no query/key/value biases): refused, not dropped.
+    biased = from_flax({name: {"kernel": np.ones((E, H, D) if name != "out" else (H, D, E)),
+                               "bias": np.ones((H, D) if name != "out" else (E,))} for name in params})
+    with pytest.raises(ValueError, match=re.escape("['key/bias', 'query/bias', 'value/bias']") + ".*qkv_bias=True"):
+        MultiHeadAttention(num_heads=H).apply({"params": biased}, np.ones((B, N, E), np.float32))

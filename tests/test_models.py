@@ -3,12 +3,15 @@ generation against a step-by-step reference."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_mha.lab.models import Decoder, ModelConfig, greedy_generate
+from jax_mha.lab.models import Decoder, ModelConfig, empty_cache, greedy_generate
 
 CONFIG = ModelConfig(vocab_size=11, max_len=13, d_model=15, num_heads=3, num_layers=2, d_ff=22)
 
@@ -119,6 +122,24 @@ def test_head_dim_model_runs_and_returns_per_head_weights():
     # Causal: changing the last token leaves every earlier position's logits alone.
     changed = tokens.at[:, -1].set((tokens[:, -1] + 1) % 11)
     np.testing.assert_allclose(model.apply({"params": p}, changed)[:, :-1], logits[:, :-1], rtol=1e-5, atol=1e-6)
+
+
+def test_head_dim_equal_to_the_shared_size_is_the_same_model(params):
+    # The head-size study's check: h heads of d_model // h are the default model, with
+    # the same parameter tree (a different tree would be refused by name).
+    tokens = jnp.arange(26).reshape(2, 13) % 11
+    same = Decoder(dataclasses.replace(CONFIG, head_dim=CONFIG.d_model // CONFIG.num_heads))
+    np.testing.assert_array_equal(same.apply({"params": params}, tokens),
+                                  Decoder(CONFIG).apply({"params": params}, tokens))
+
+
+def test_decoder_errors_say_what_to_pass(params):
+    tokens = jnp.arange(8).reshape(2, 4) % 11
+    with pytest.raises(ValueError, match=re.escape('needs a "dropout" rng: pass apply(..., rngs={"dropout": key})')):
+        Decoder(dataclasses.replace(CONFIG, dropout_rate=0.1)).apply({"params": params}, tokens, deterministic=False)
+    cache = empty_cache(CONFIG, 2, 4)
+    with pytest.raises(ValueError, match=re.escape('call apply(variables, x, mutable=["cache"])')):
+        Decoder(CONFIG, decode=True).apply({"params": params, "cache": cache}, tokens[:, :1])
 
 
 def test_head_dim_frees_num_heads_from_dividing_d_model():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import chex
+import flax.errors
 import flax.linen as nn
 import jax
 import jax.extend as jex
@@ -296,6 +297,46 @@ def test_module_dropout(rng):
     assert not np.allclose(drop(1), drop(2), atol=1e-3)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: MultiHeadAttention(num_heads=H, dropout_rate=0.5),
+    lambda: FeedForward(d_ff=7, dropout_rate=0.5),
+    lambda: TransformerBlock(num_heads=H, d_ff=7, dropout_rate=0.5),
+    lambda: TransformerBlock(num_heads=H, d_ff=7, attention_dropout_rate=0.5),
+], ids=["mha", "ffn", "block", "block_attention"])
+def test_dropout_without_a_dropout_rng_says_what_to_pass(rng, make):
+    # It used to surface flax's 'None needs PRNG for "dropout"'.
+    x = normal(rng, (B, N, D_MODEL))
+    model = make()
+    params = init_params(model, x)
+    msg = 'dropout_rate=0.5 with deterministic=False needs a "dropout" rng: pass apply(..., rngs={"dropout": key})'
+    with pytest.raises(ValueError, match=re.escape(msg)) as caught:
+        model.apply(params, x, deterministic=False)
+    assert isinstance(caught.value, flax.errors.InvalidRngError) and "\n" not in str(caught.value)  # flax's type too
+    if isinstance(model, TransformerBlock) and model.dropout_rate:  # with the rng it drops out (the ffn's too)
+        dropped = model.apply(params, x, deterministic=False, rngs={"dropout": jax.random.key(0)})
+        assert not np.allclose(dropped, model.apply(params, x), atol=1e-3)
+
+
+def test_params_the_module_has_no_place_for_or_lacks_are_refused(rng):
+    # flax ignores given parameters a module never reads: these were dropped silently.
+    x = normal(rng, (B, N, D_MODEL))
+    rich = init_params(MultiHeadAttention(num_heads=H, qkv_bias=True, normalize_qk=True, add_bias_kv=True), x)
+    msg = ("have ['bias_k', 'bias_v', 'key/bias', 'key_ln/scale', 'query/bias', 'query_ln/scale', 'value/bias'], "
+           "which the module has no place for and would drop: build it with add_bias_kv=True, normalize_qk=True, "
+           "qkv_bias=True")
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        MultiHeadAttention(num_heads=H).apply(rich, x)
+    plain = init_params(MultiHeadAttention(num_heads=H, out_bias=False), x)
+    msg = "needs ['key_ln/scale', 'out/bias', 'query_ln/scale'], which the weights lack: build it with "
+    with pytest.raises(ValueError, match=re.escape(msg + "normalize_qk=False, out_bias=False")):
+        MultiHeadAttention(num_heads=H, normalize_qk=True).apply(plain, x)
+    block = TransformerBlock(num_heads=H, d_ff=7)
+    params = init_params(block, x)
+    params["params"]["attention"]["out"].pop("bias")
+    with pytest.raises(ValueError, match=re.escape("needs ['out/bias']")):
+        block.apply(params, x)
+
+
 BAD_RATES = [2.0, 1.0, -0.1, float("nan"), True, "0.1"]
 
 
@@ -388,6 +429,28 @@ def test_transformer_block_matches_hand_composition(rng, np_attention, pre_norm)
 
     other = TransformerBlock(num_heads=H, d_ff=13, pre_norm=not pre_norm).apply(params, x, mask)
     assert not np.allclose(got, other, atol=1e-2)
+
+
+def test_transformer_block_head_dim_sets_the_attention_width(rng, np_attention):
+    # 5 heads of size 7 on d_model 33: 5 does not divide 33, the attention is 35 wide.
+    x = normal(rng, (B, N, D_MODEL))
+    block = TransformerBlock(num_heads=5, d_ff=13, head_dim=7, pre_norm=True)
+    params = init_params(block, x)
+    p = params["params"]
+    for name in ("query", "key", "value"):
+        assert p["attention"][name]["kernel"].shape == (D_MODEL, 35)
+    assert p["attention"]["out"]["kernel"].shape == (35, D_MODEL)
+
+    x64 = np.asarray(x, np.float64)
+    y = x64 + np_mha(p["attention"], *(layer_norm(x64, p["norm1"]),) * 3, 5, 5, np_attention)[0]
+    expected = y + dense(gelu(dense(layer_norm(y, p["norm2"]), p["ffn"]["hidden"])), p["ffn"]["output"])
+    np.testing.assert_allclose(block.apply(params, x), expected, rtol=1e-4, atol=1e-4)
+    # head_dim = d_model // num_heads is the default block, parameter for parameter.
+    shared = init_params(TransformerBlock(num_heads=H, d_ff=13), x)
+    np.testing.assert_array_equal(TransformerBlock(num_heads=H, d_ff=13, head_dim=D).apply(shared, x),
+                                  TransformerBlock(num_heads=H, d_ff=13).apply(shared, x))
+    with pytest.raises(ValueError, match=re.escape("head_dim must be a positive int, got 0")):
+        TransformerBlock(num_heads=H, d_ff=13, head_dim=0)
 
 
 def test_transformer_block_return_weights(rng):
@@ -612,8 +675,9 @@ def test_decoding_past_the_cache(rng):
 
 
 @pytest.mark.parametrize("block", [False, True], ids=["mha", "block"])
-def test_decoding_without_the_cache_from_init_raises(rng, block):
-    # It used to run a plain non-causal pass and create a 1-token cache.
+def test_decoding_without_the_cache_or_its_mutability_raises(rng, block):
+    # Without the cache it used to run a plain non-causal pass and create a 1-token cache;
+    # without mutable=["cache"] it surfaced flax's ModifyScopeVariableError.
     L = 5
     x = normal(rng, (B, L, D_MODEL))
     model = TransformerBlock(num_heads=H, d_ff=7, decode=True) if block else MultiHeadAttention(num_heads=H, decode=True)
@@ -623,6 +687,10 @@ def test_decoding_without_the_cache_from_init_raises(rng, block):
         model.apply({"params": params}, x[:, :1], mutable=["cache"])
     with pytest.raises(ValueError, match=re.escape(msg)):
         model.apply({"params": params}, x[:, :1])
+    msg = 'writes the "cache" collection at every step: call apply(variables, x, mutable=["cache"])'
+    with pytest.raises(ValueError, match=re.escape(msg)) as caught:
+        model.apply({"params": params, "cache": cache}, x[:, :1])
+    assert isinstance(caught.value, flax.errors.ModifyScopeVariableError)  # still caught as flax's error
     y, mutated = model.apply({"params": params, "cache": cache}, x[:, :1], mutable=["cache"])  # with it: fine
     assert y.shape == (B, 1, D_MODEL)
     index = mutated["cache"]["attention"]["cache_index"] if block else mutated["cache"]["cache_index"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import chex
+import flax.errors
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,6 +66,51 @@ def test_transformer_block_equals_linen_and_loads_linen_weights(rng, pre_norm):
     )
 
 
+def test_transformer_block_head_dim_equals_linen(rng):
+    # 5 heads of size 7 on d_model 36: the attention is 35 wide, 5 does not divide 36.
+    x = normal(rng, (B, N, D_MODEL))
+    linen = jax_mha.TransformerBlock(num_heads=5, d_ff=13, head_dim=7)
+    shapes = jax.eval_shape(linen.init, jax.random.key(0), x)["params"]
+    params = jax.tree_util.tree_map(lambda s: 0.3 * rng.standard_normal(s.shape), shapes)
+    block = jnnx.from_linen_params(jnnx.TransformerBlock(D_MODEL, 5, 13, head_dim=7, rngs=nnx.Rngs(1)), params)
+    assert block.attention.query.kernel.shape == (D_MODEL, 35) and block.attention.out.kernel.shape == (35, D_MODEL)
+    np.testing.assert_allclose(nnx.jit(lambda m: m(x))(block), jax.jit(lambda p: linen.apply({"params": p}, x))(params),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [
+    lambda rngs: jnnx.MultiHeadAttention(H, D_MODEL, dropout_rate=0.5, rngs=rngs),
+    lambda rngs: jnnx.FeedForward(D_MODEL, 7, dropout_rate=0.5, rngs=rngs),
+    lambda rngs: jnnx.TransformerBlock(D_MODEL, H, 7, dropout_rate=0.5, rngs=rngs),
+], ids=["mha", "ffn", "block"])
+def test_dropout_without_a_dropout_stream_says_what_to_pass(rng, make):
+    # Building with nnx.Rngs(params=...) and dropout_rate > 0 used to raise flax's
+    # AttributeError/KeyError "No RngStream named 'dropout'" at construction.
+    x = normal(rng, (B, N, D_MODEL))
+    model = make(nnx.Rngs(params=0))
+    msg = 'dropout_rate=0.5 with deterministic=False needs a "dropout" rng: build it with rngs=nnx.Rngs(params=..., '
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        model(x, deterministic=False)
+    model.train()
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        model(x)
+    if isinstance(model, jnnx.MultiHeadAttention):  # a stream given to the call is enough
+        assert not np.allclose(model(x, rngs=nnx.Rngs(dropout=1)), model(x, deterministic=True), atol=1e-3)
+
+
+def test_decoding_inside_a_plain_jax_transform_says_to_use_nnx_jit(rng):
+    # It surfaced flax's TraceContextError "Cannot mutate Cache from a different trace level".
+    x = normal(rng, (B, N, D_MODEL))
+    decoder = jnnx.MultiHeadAttention(H, D_MODEL, decode=True, rngs=nnx.Rngs(0))
+    decoder.init_cache(x.shape)
+    with pytest.raises(ValueError, match=re.escape("which a plain jax transform cannot: use nnx.jit")) as caught:
+        jax.jit(lambda token: decoder(token))(x[:, :1])
+    assert isinstance(caught.value, flax.errors.TraceContextError)  # still caught as flax's error
+    assert int(decoder.cache_index[...]) == 0  # nothing written
+    nnx.jit(lambda m, token: m(token))(decoder, x[:, :1])
+    assert int(decoder.cache_index[...]) == 1
+
+
 def test_decoding_token_by_token_equals_causal_forward(rng):
     x = normal(rng, (B, N, D_MODEL))
     options = dict(num_kv_heads=2, rope=True, normalize_qk=True, rngs=nnx.Rngs(0))
@@ -104,7 +150,7 @@ def test_parameter_conversion_errors():
     model = jnnx.MultiHeadAttention(H, D_MODEL, rngs=nnx.Rngs(0))
     params = jnnx.to_linen_params(model)
     params["query"]["kernel"] = params["query"]["kernel"][:, :-1]
-    with pytest.raises(ValueError, match=r"\['query'\]\['kernel'\]"):
+    with pytest.raises(ValueError, match=re.escape("differ: [('query/kernel', (36, 35), (36, 36))]")):
         jnnx.from_linen_params(model, params)
     with pytest.raises(ValueError, match=re.escape("key has 7 features, the module was built for 36")):
         model(jnp.ones((B, N, D_MODEL)), jnp.ones((B, 3, 7)))

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mha.functional import resolve_implementation
-from jax_mha.modules import FeedForward, MultiHeadAttention, TransformerBlock
+from jax_mha.modules import MultiHeadAttention, TransformerBlock, _require_dropout_rng, _require_mutable_cache
 
 POSITIONAL = ("learned", "sinusoidal")
 
@@ -75,47 +75,6 @@ class ModelConfig:
     def attention_width(self) -> int:
         """H * D, the width of the query/key/value projections (and the output's input)."""
         return self.num_heads * self.size_per_head
-
-
-class HeadSizeBlock(nn.Module):
-    """`TransformerBlock` with heads of a chosen size: attention projects d_model to
-    `num_heads * head_dim` and back (`MultiHeadAttention(d_model=H*D,
-    out_features=d_model)`); the same parameter names, so the analyses read it alike."""
-
-    num_heads: int
-    head_dim: int
-    d_ff: int
-    dropout_rate: float = 0.0
-    pre_norm: bool = True
-    implementation: str = "xla"
-    decode: bool = False
-    attention_fn: Callable | None = None
-
-    @nn.compact
-    def __call__(self, x, *, is_causal: bool, head_mask=None, deterministic: bool = True,
-                 return_weights: bool = False):
-        """`(B…, N, d_model) -> (B…, N, d_model)`, or with the weights `(B…, H, N, N)`."""
-        mha = MultiHeadAttention(num_heads=self.num_heads, d_model=self.num_heads * self.head_dim,
-                                 out_features=x.shape[-1], implementation=self.implementation,
-                                 decode=self.decode, attention_fn=self.attention_fn, name="attention")
-        norm1, norm2 = nn.LayerNorm(name="norm1"), nn.LayerNorm(name="norm2")
-        ffn = FeedForward(self.d_ff, self.dropout_rate, name="ffn")
-        drop = lambda y: nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
-
-        def attend(y):
-            out = mha(y, is_causal=is_causal, head_mask=head_mask, deterministic=deterministic,
-                      return_weights=return_weights)
-            return out if return_weights else (out, None)
-
-        if self.pre_norm:
-            a, weights = attend(norm1(x))
-            x = x + drop(a)
-            x = x + drop(ffn(norm2(x), deterministic=deterministic))
-        else:
-            a, weights = attend(x)
-            x = norm1(x + drop(a))
-            x = norm2(x + drop(ffn(x, deterministic=deterministic)))
-        return (x, weights) if return_weights else x
 
 
 def sinusoidal_positions(length: int, d_model: int) -> jax.Array:
@@ -195,10 +154,12 @@ class Decoder(nn.Module):
 
         Raises:
           TypeError, ValueError: bad tokens (see `check_tokens`) or a head_mask of the
-            wrong shape.
+            wrong shape; ValueError for dropout without a "dropout" rng, or decoding
+            without `mutable=["cache"]`.
         """
         cfg = self.config
         check_tokens(tokens, cfg.vocab_size, cfg.max_len)
+        _require_dropout_rng(self, cfg.dropout_rate, deterministic)
         if head_mask is not None and jnp.shape(head_mask) != (cfg.num_layers, cfg.num_heads):
             raise ValueError(
                 f"head_mask must have shape (num_layers, num_heads) = {(cfg.num_layers, cfg.num_heads)}, "
@@ -213,18 +174,11 @@ class Decoder(nn.Module):
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         all_weights = []
         for layer in range(cfg.num_layers):
-            if cfg.head_dim is None:
-                block = TransformerBlock(
-                    num_heads=cfg.num_heads, d_ff=cfg.d_ff, dropout_rate=cfg.dropout_rate,
-                    pre_norm=cfg.pre_norm, implementation=cfg.implementation, decode=self.decode,
-                    attention_fn=self.attention_fn, name=f"block_{layer}",
-                )
-            else:  # the library block takes its widths from d_model; this one from H * D
-                block = HeadSizeBlock(
-                    num_heads=cfg.num_heads, head_dim=cfg.head_dim, d_ff=cfg.d_ff, dropout_rate=cfg.dropout_rate,
-                    pre_norm=cfg.pre_norm, implementation=cfg.implementation, decode=self.decode,
-                    attention_fn=self.attention_fn, name=f"block_{layer}",
-                )
+            block = TransformerBlock(
+                num_heads=cfg.num_heads, d_ff=cfg.d_ff, head_dim=cfg.head_dim, dropout_rate=cfg.dropout_rate,
+                pre_norm=cfg.pre_norm, implementation=cfg.implementation, decode=self.decode,
+                attention_fn=self.attention_fn, name=f"block_{layer}",
+            )
             out = block(
                 x, is_causal=True, head_mask=None if head_mask is None else head_mask[layer],
                 deterministic=deterministic, return_weights=return_weights,
@@ -242,6 +196,8 @@ class Decoder(nn.Module):
         if not self.decode:
             return table[:length]  # (T, d)
         initialized = self.has_variable("cache", "position")
+        if initialized:
+            _require_mutable_cache(self)
         position = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
         start = position.value if initialized else jnp.array(0, jnp.int32)
         if initialized:
