@@ -455,6 +455,22 @@ def to_jsonable(x: Any) -> Any:
     return x
 
 
+MISSING = "–"  # a table cell whose number does not exist (one seed's spread, one chunk's throughput)
+
+
+def fmt(value: Any, spec: str) -> str:
+    """`format(value, spec)`, or "–" for None and non-finite numbers: results.json
+    stores NaN as null, and a rerun formats what it reads back."""
+    if value is None or (isinstance(value, (float, np.floating)) and not np.isfinite(value)):
+        return MISSING
+    return format(value, spec)
+
+
+def fmt_mean_std(mean: Any, std: Any, spec: str) -> str:
+    """'m ± s', 'm ± –' where the spread does not exist (one seed), '–' without a mean."""
+    return MISSING if fmt(mean, spec) == MISSING else f"{fmt(mean, spec)} ± {fmt(std, spec)}"
+
+
 def write_json(path: str | os.PathLike, data: Any) -> None:
     """Atomic, indented JSON; written by process 0 only (`is_writer`)."""
     if not is_writer():

@@ -16,8 +16,8 @@ accuracy and per-head attention entropy.
 
 With --task lm (issue 10, "Heads on real text") the models are character language
 models of the Python Language Reference (`jax_mha.lab.text`); there is no early stopping.
-After training, every model is measured on the whole validation split (bits per
-character) and its heads are typed (`jax_mha.lab.head_types`): results.json,
+After training, every model is measured on the whole test split (bits per
+character; the trainer's evaluations read the dev split) and its heads are typed (`jax_mha.lab.head_types`): results.json,
 summary.md (bpc and head-type counts per head count), head_types.md (every head),
 head_types/h{H}_seed{S}.png, bpc_curves.png, bpc_vs_heads.png, and sample lines of
 the best model (greedy and temperature 0.8, through the KV cache). Output goes to
@@ -43,7 +43,7 @@ import jax
 import numpy as np
 
 from experiments import common, plotting
-from experiments.common import AblationConfig, Interrupted, save_figure, write_atomic, write_json
+from experiments.common import AblationConfig, Interrupted, fmt, fmt_mean_std, save_figure, write_atomic, write_json
 from jax_mha import parallel
 from jax_mha.lab import analysis, distributed, head_types, stats
 from jax_mha.lab.checkpoint import load_checkpoint, save_checkpoint, saved_train_step
@@ -89,7 +89,7 @@ def build_parser():
     p.add_argument("--reverse", action="store_true", help="the reverse variant: the second half is reversed")
     p.add_argument("--seq-len", type=common.positive_int, help="--task lm: characters per training window T")
     p.add_argument("--text", type=Path, help="--task lm: a UTF-8 text file as corpus (default: the Python Language "
-                   "Reference from pydoc_data; its last 10%% is the validation split)")
+                   "Reference from pydoc_data; its last 20%% is held out: 10%% dev, then 10%% test)")
     p.add_argument("--batch-size", type=common.positive_int, help="sequences per optimizer step")
     p.add_argument("--lr", type=common.positive_float, help="peak AdamW learning rate")
     p.add_argument("--steps-per-call", type=common.positive_int, help="optimizer steps fused into one compiled call")
@@ -227,7 +227,8 @@ def summarize_heads(h: int, result: SeedsResult, cfg: AblationConfig) -> dict:
         "wall_seconds": result.wall_seconds, "train_seconds": result.train_seconds,
         "tokens_per_second": result.tokens_per_second,
         # One program step advances every seed by one optimizer step.
-        "program_steps_per_second": result.tokens_per_second / tokens_per_program_step,
+        "program_steps_per_second": (None if result.tokens_per_second is None
+                                     else result.tokens_per_second / tokens_per_program_step),
         "runs": runs,
     }
 
@@ -242,14 +243,17 @@ def _table_row(r: dict) -> str:
     reached = [x["steps_to_target"] for x in runs]
     n_reached = sum(x is not None for x in reached)
     s_mean, s_std = mean_std(reached)
-    steps = f"{s_mean:.0f} ± {s_std:.0f}" if n_reached else "never"
+    steps = fmt_mean_std(s_mean, s_std, ".0f") if n_reached else "never"
     if 0 < n_reached < len(runs):
         steps += f" ({n_reached}/{len(runs)} seeds)"
     tok = mean_std([x["final_token_accuracy"] for x in runs])
     ex = mean_std([x["final_exact_accuracy"] for x in runs])
-    ent = mean_std([np.mean(x["entropy_normalized"]) for x in runs])
-    return (f"| {r['heads']} | {r['head_dim']} | {steps} | {tok[0]:.4f} ± {tok[1]:.4f} | {ex[0]:.4f} ± {ex[1]:.4f} "
-            f"| {ent[0]:.3f} ± {ent[1]:.3f} | {r['steps_run']} | {r['wall_seconds']:.0f} | {r['tokens_per_second']:,.0f} |")
+    ent = mean_std([np.mean(np.asarray(x["entropy_normalized"], float)) for x in runs])  # a null reads as NaN
+    # Every number below may be null in a results.json read back (NaN is stored as null;
+    # a head count trained in one chunk has no timed chunk): fmt prints "–" for it.
+    return (f"| {r['heads']} | {r['head_dim']} | {steps} | {fmt_mean_std(*tok, '.4f')} | {fmt_mean_std(*ex, '.4f')} "
+            f"| {fmt_mean_std(*ent, '.3f')} | {r['steps_run']} | {fmt(r['wall_seconds'], '.0f')} "
+            f"| {fmt(r['tokens_per_second'], ',.0f')} |")
 
 
 def summary_table(results: dict) -> str:
@@ -269,8 +273,8 @@ def summary_table(results: dict) -> str:
     if "vmap_speedup" in results:
         v = results["vmap_speedup"]
         lines += ["", f"vmap over {v['num_seeds']} seeds vs a Python loop over seeds (h={v['heads']}): "
-                      f"{v['vmap_tokens_per_second']:,.0f} vs {v['loop_tokens_per_second']:,.0f} tokens/s, "
-                      f"speed-up {v['speedup']:.2f}x."]
+                      f"{fmt(v['vmap_tokens_per_second'], ',.0f')} vs {fmt(v['loop_tokens_per_second'], ',.0f')} "
+                      f"tokens/s, speed-up {fmt(v['speedup'], '.2f')}x."]
     return "\n".join(lines) + "\n"
 
 
@@ -421,9 +425,9 @@ def main(argv=None) -> dict:
 
 # ----------------------------------------------------------------- the language model (--task lm)
 
-SAMPLE_PROMPTS = 3  # validation sentences the best model continues
+SAMPLE_PROMPTS = 3  # dev sentences the best model continues
 SAMPLE_TEMPERATURE = 0.8  # below 1: fewer misspellings than sampling the raw distribution, still varied
-HEAD_TYPE_SEQUENCES = 32  # validation windows and repeated-random-token rows the head scores average over
+HEAD_TYPE_SEQUENCES = 32  # test windows and repeated-random-token rows the head scores average over
 
 
 def _models(results: dict, out: Path):
@@ -435,11 +439,11 @@ def _models(results: dict, out: Path):
 
 
 def measure_lm_models(results: dict, cfg: AblationConfig, out: Path) -> None:
-    """Fills every run with `final_bpc` (the whole validation split), its head scores,
+    """Fills every run with `final_bpc` (the whole test split), its head scores,
     types and counts, and draws head_types/h{H}_seed{S}.png; skips runs already done."""
     task = cfg.task
-    val = validation_batches(task.corpus.validation, task, 64)
-    text = task.eval_batch(None, HEAD_TYPE_SEQUENCES)["inputs"]
+    val = validation_batches(task.corpus.test, task, 64)  # the reported number: test, read once
+    text = task.windows("test", HEAD_TYPE_SEQUENCES)["inputs"]
     for h, run, params, config in _models(results, out):
         if "head_types" in run:
             continue
@@ -453,15 +457,15 @@ def measure_lm_models(results: dict, cfg: AblationConfig, out: Path) -> None:
         fields = ("previous_token", "induction", "first_token", "normalized_entropy")
         save_figure(plotting.head_type_heatmap(
             {f: np.asarray(getattr(scores, f)) for f in fields}, labels,
-            suptitle=(f"Head types, {h}-head character LM (seed {run['seed']}, validation bpc {run['final_bpc']:.3f})\n"
-                      f"previous-token / first-token / entropy on validation text, induction on repeated random "
+            suptitle=(f"Head types, {h}-head character LM (seed {run['seed']}, test bpc {run['final_bpc']:.3f})\n"
+                      f"previous-token / first-token / entropy on test text, induction on repeated random "
                       f"characters; threshold {head_types.INDUCTION_THRESHOLD}")),
             out / "head_types" / f"h{h}_seed{run['seed']}.png")
 
 
 def lm_samples(results: dict, cfg: AblationConfig, out: Path) -> dict:
-    """Greedy and temperature continuations of validation sentences by the model of
-    lowest validation bpc, through the KV cache (`jax_mha.lab.models.generate`)."""
+    """Greedy and temperature continuations of dev sentences by the model of
+    lowest test bpc, through the KV cache (`jax_mha.lab.models.generate`)."""
     best = min(((run["final_bpc"], h, run["seed"]) for h, r in results["heads"].items() for run in r["runs"]))
     params, config, _ = load_checkpoint(out / "checkpoints" / f"h{best[1]}_seed{best[2]}.msgpack")
     corpus, t = cfg.task.corpus, cfg.task.seq_len
@@ -477,40 +481,55 @@ def lm_samples(results: dict, cfg: AblationConfig, out: Path) -> dict:
     return {"model": {"heads": int(best[1]), "seed": int(best[2]), "final_bpc": best[0]}, "lines": lines}
 
 
+def held_out_name(task: dict) -> str:
+    """The split `final_bpc` was measured on: "test", or "validation" in results made
+    before the three-way split (their task has no `test_fraction`)."""
+    return "test" if "test_fraction" in task else "validation"
+
+
+def lm_comparisons(results: dict) -> dict[str, stats.Comparison]:
+    """The family of seed-paired comparisons a summary reports: every h against the
+    fewest heads, and every pair of neighbours, Holm-adjusted together."""
+    bpc = {int(k): [run.get("final_bpc") for run in r["runs"]] for k, r in results["heads"].items()}
+    heads = sorted(bpc)
+    pairs = [(h, heads[0]) for h in heads[1:]] + [(b, a) for a, b in zip(heads[1:], heads[2:])]
+    return stats.paired_comparisons({f"h={a} − h={b}": (bpc[a], bpc[b]) for a, b in pairs})
+
+
 def lm_summary_table(results: dict) -> str:
-    """Markdown: validation bpc (95 % t interval), train-validation gap, characters seen,
-    head-type counts per head count, beside the n-gram baselines of the same split."""
+    """Markdown: held-out bpc (95 % t interval), train-held-out gap, characters seen,
+    head-type counts per head count, beside the n-gram baselines of the same split, and
+    the seed-paired comparisons with Holm-adjusted p values."""
     cfg, m = results["config"], results["config"]["model"]
+    split = held_out_name(cfg["task"])
     width = f"head size {m['head_dim']} (attention h x {m['head_dim']})" if m.get("head_dim") else "the width shared by the heads"
     lines = [f"Character LM, T={cfg['task']['seq_len']}, d_model={m['d_model']}, {width}, {m['num_layers']} layers, "
              f"{cfg['num_seeds']} seeds from {cfg['seed']}, batch {cfg['train']['batch_size']}, "
              f"{cfg['train']['num_steps']} steps. Mean ± sample std (ddof=1) over seeds [95 % t interval]; bpc on "
-             "the whole validation split; gap = validation bpc minus the last 50 steps' training bpc.", ""]
+             f"the whole {split} split; gap = {split} bpc minus the last 50 steps' training bpc.", ""]
     if "ngram_bpc" in results:
-        lines += ["Interpolated (Witten-Bell) n-gram baselines fitted on this training split, scored on its validation "
+        lines += [f"Interpolated (Witten-Bell) n-gram baselines fitted on this training split, scored on its {split} "
                   "split: " + ", ".join(f"{n}-gram {b:.3f}" for n, b in sorted(results["ngram_bpc"].items())) + " bpc.", ""]
-    lines += ["| heads | head dim | validation bpc | gap | characters/seed | induction heads | previous-token heads "
+    lines += [f"| heads | head dim | {split} bpc | gap | characters/seed | induction heads | previous-token heads "
               "| first-token heads | wall s | tokens/s |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for key in sorted(results["heads"], key=int):
         r = results["heads"][key]
         bpc = stats.t_interval([run.get("final_bpc") for run in r["runs"]])
         gap = stats.mean_std([run["final_bpc"] - run["final_train_bpc"] for run in r["runs"]
-                              if "final_bpc" in run and "final_train_bpc" in run])
+                              if run.get("final_bpc") is not None and run.get("final_train_bpc") is not None])
         chars = r["runs"][0].get("characters_seen")
         counts = lambda t: "–" if "head_type_counts" not in r["runs"][0] else (
-            "{:.1f} ± {:.1f}".format(*mean_std([run["head_type_counts"][t] for run in r["runs"]])))
-        lines.append(f"| {key} | {r['head_dim']} | {bpc.mean:.4f} ± {bpc.std:.4f} [{bpc.low:.3f}, {bpc.high:.3f}] | "
-                     f"{gap[0]:+.3f} | {chars if chars is None else f'{chars:,}'} | {counts('induction')} | "
-                     f"{counts('previous_token')} | {counts('first_token')} | {r['wall_seconds']:.0f} | "
-                     f"{r['tokens_per_second']:,.0f} |")
-    heads = sorted(results["heads"], key=int)
-    if len(heads) > 1 and all("final_bpc" in run for k in heads for run in results["heads"][k]["runs"]):
-        lines += ["", f"Seed-paired differences in validation bpc against h={heads[0]} (a seed reads the same batches "
-                  "at every h), mean [95 % t interval]:", ""]
-        base = [run["final_bpc"] for run in results["heads"][heads[0]]["runs"]]
-        for key in heads[1:]:
-            diff = stats.paired_difference([run["final_bpc"] for run in results["heads"][key]["runs"]], base)
-            lines.append(f"- h={key} − h={heads[0]}: {diff.format(4)}")
+            fmt_mean_std(*mean_std([run["head_type_counts"][t] for run in r["runs"]]), ".1f"))
+        interval = "" if bpc.n < 2 else f" [{bpc.low:.3f}, {bpc.high:.3f}]"  # one seed: no spread, no interval
+        lines.append(f"| {key} | {r['head_dim']} | {fmt_mean_std(bpc.mean, bpc.std, '.4f')}{interval} | "
+                     f"{fmt(gap[0], '+.3f')} | {fmt(chars, ',')} | {counts('induction')} | "
+                     f"{counts('previous_token')} | {counts('first_token')} | {fmt(r['wall_seconds'], '.0f')} | "
+                     f"{fmt(r['tokens_per_second'], ',.0f')} |")
+    if len(results["heads"]) > 1 and all("final_bpc" in run for r in results["heads"].values() for run in r["runs"]):
+        family = lm_comparisons(results)
+        lines += ["", f"Seed-paired differences in {split} bpc (a seed reads the same batches at every h), mean "
+                  f"[95 % t interval], paired t test p, and p Holm-adjusted over these {len(family)} comparisons:", ""]
+        lines += [f"- {name}: {c.format(4)}" for name, c in family.items()]
     for line in results.get("samples", {}).get("lines", []):
         shown = lambda text: text.replace("\n", "↵")
         lines.append(f"\n{line['sampling']}: `{shown(line['prompt'])}` → `{shown(line['continuation'])}`")
@@ -565,10 +584,12 @@ def plot_lm_results(results: dict, out: Path) -> None:
     curves = {int(k): {"step": r["runs"][0]["eval_curve"]["step"], "head_dim": r["head_dim"],
                        "bpc": [run["eval_curve"]["bpc"] for run in r["runs"]]} for k, r in results["heads"].items()}
     save_figure(plotting.bpc_curves(curves, title=f"Validation bpc during training ({len(curves)} head counts)\n"
-                                                  f"{results['config']['train']['eval_size']} validation windows; {machine}"),
+                                                  f"{results['config']['train']['eval_size']} dev windows; {machine}"),
                 out / "bpc_curves.png")
-    final = {int(k): [run["final_bpc"] for run in r["runs"]] for k, r in results["heads"].items()}
-    save_figure(plotting.bpc_vs_heads(final, title=f"Final validation bpc (whole split) vs heads\n{machine}", fixed=fixed),
+    final = {int(k): [np.nan if run["final_bpc"] is None else run["final_bpc"] for run in r["runs"]]
+             for k, r in results["heads"].items()}
+    save_figure(plotting.bpc_vs_heads(final, title=f"Final {held_out_name(c['task'])} bpc (whole split) vs heads\n{machine}",
+                                      fixed=fixed),
                 out / "bpc_vs_heads.png")
     first = next(iter(results["heads"].values()))["runs"][0]["eval_curve"]
     if "icl_score" in first:
@@ -579,18 +600,39 @@ def plot_lm_results(results: dict, out: Path) -> None:
             title=f"Induction evidence during training\n{machine}"), out / "induction_curves.png")
 
 
+def lm_artifact(results: dict) -> dict:
+    """The per-seed values a results page is rendered from (`experiments.report`, kind
+    "lm_sweep"): small, no curves."""
+    meta = results["metadata"]
+    heads = {}
+    for key, r in results["heads"].items():
+        runs = r["runs"]
+        gap = lambda run: (None if run.get("final_bpc") is None or run.get("final_train_bpc") is None
+                           else run["final_bpc"] - run["final_train_bpc"])
+        heads[key] = {"head_dim": r["head_dim"], "seeds": [run["seed"] for run in runs],
+                      "final_bpc": [run.get("final_bpc") for run in runs], "gap": [gap(run) for run in runs],
+                      "characters_per_seed": runs[0].get("characters_seen"), "wall_seconds": r["wall_seconds"],
+                      "tokens_per_second": r["tokens_per_second"]}
+    return {"kind": "lm_sweep", "split": held_out_name(results["config"]["task"]), "task": results["config"]["task"],
+            "command": " ".join(["python -m", MODULE, *meta.get("argv", [])[1:]]), "machine": meta.get("cpu"),
+            "commit": meta.get("commit"), "dirty": meta.get("dirty"), "heads": heads}
+
+
 def finish_lm(results: dict, cfg: AblationConfig, out: Path, save) -> None:
-    """After training: bpc on the whole split, head types, samples, tables, plots."""
+    """After training: bpc on the whole split, head types, samples, tables, plots, and
+    artifact.json (what docs/results/data/ takes, `experiments.report`)."""
     measure_lm_models(results, cfg, out)
-    results["ngram_bpc"] = ngram_baselines(cfg.task.corpus)  # the lines to pass, on this very split
+    results["ngram_bpc"] = ngram_baselines(cfg.task.corpus, split="test")  # the lines to pass, on the split reported
     results["samples"] = lm_samples(results, cfg, out)
     save()
+    write_json(out / "artifact.json", lm_artifact(results))
     write_atomic(out / "head_types.md", head_type_markdown(results))
     if any("icl_score" in run["eval_curve"] for r in results["heads"].values() for run in r["runs"]):
         write_atomic(out / "induction.md", induction_markdown(results))
     plot_lm_results(results, out)
     print("\n" + lm_summary_table(results))
-    print(f"wrote {out}/results.json, summary.md, head_types.md, bpc_curves.png, bpc_vs_heads.png, head_types/*.png")
+    print(f"wrote {out}/results.json, artifact.json, summary.md, head_types.md, bpc_curves.png, bpc_vs_heads.png, "
+          "head_types/*.png")
 
 
 if __name__ == "__main__":

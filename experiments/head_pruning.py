@@ -326,7 +326,8 @@ def lm_survivors(rec: analysis.PruningResult, labels: np.ndarray) -> dict:
 def lm_analyse(m: common.StudyModel, args, cfg: PruningConfig) -> dict:
     """Scores, prunes (bpc criterion), draws and writes the LM's pruning record."""
     model, normalize, start = Decoder(m.config), not args.no_normalize, time.perf_counter()
-    batches = {"eval": m.task.eval_batch(None, cfg.eval_size),
+    # Reported numbers are measured on test windows; the rankings on training windows.
+    batches = {"eval": m.task.windows("test", cfg.eval_size),
                "score": jax.jit(lambda key: m.task.batch(key, cfg.score_size))(jax.random.key(cfg.score_seed))}
     scores = analysis.model_head_scores(m.params, model, batches["eval"]["inputs"][:32],
                                         key=jax.random.key(common.ANALYSIS_EVAL_SEED))
@@ -357,8 +358,9 @@ def lm_analyse(m: common.StudyModel, args, cfg: PruningConfig) -> dict:
         base_bpc=base, max_rise=cfg.max_drop, total_heads=total, all_off_bpc=results["all_heads_off_bpc"],
         heads_prunable={ORDER_LABELS_LM[o]: r.heads_prunable for o, r in records.items()},
         title=(f"Iterative head pruning of the {shape[1]}-head character LM ({shape[0]} layers)\n"
-               f"{cfg.eval_size} validation windows; {common.cpu_model()}")), args.out / "pruning_curves.png")
+               f"{cfg.eval_size} test windows; {common.cpu_model()}")), args.out / "pruning_curves.png")
     write_json(args.out / "results.json", results)
+    write_json(args.out / "artifact.json", lm_artifact(results, m))  # docs/results/data/ (experiments.report --merge)
     print(f"\nmodel: {m.source['path']} ({describe(m)}); unpruned bpc {base:.4f}, all heads off "
           f"{results['all_heads_off_bpc']:.4f}")
     print(f"Spearman(importance, oracle bpc rise) over {total} heads: {results['spearman_importance_vs_oracle']:.3f}")
@@ -373,6 +375,31 @@ def lm_analyse(m: common.StudyModel, args, cfg: PruningConfig) -> dict:
               f"(bpc then {sv['bpc']:.4f}); survivors: {sv['types']}")
     print(f"wrote {args.out}/results.json and pruning_curves.png ({results['analysis_seconds']:.0f} s of analysis)")
     return results
+
+
+def checkpoint_seed(path: str | None) -> int | None:
+    """The seed in a checkpoint's name (`h8_seed2.msgpack` -> 2), None if it has none."""
+    import re
+
+    found = re.search(r"_seed(\d+)", Path(path).name) if path else None
+    return int(found[1]) if found else None
+
+
+def lm_artifact(results: dict, m: common.StudyModel) -> dict:
+    """One seed's row of the results page (`experiments.report`, kind "lm_pruning"):
+    the values its tables show, no curves."""
+    base, total = results["base_bpc"], results["total_heads"]
+    steps = {o: results["pruning"][o]["steps"] for o in analysis.ORDERS}
+    at = lambda o, k: next((results["bpc_curves"][o][i] for i, s in enumerate(steps[o]) if s["num_pruned"] == k), None)
+    arms = {name: {key: arm[key] for key in ("heads", "second_copy_loss", "late_loss", "early_loss")}
+            for name, arm in results["induction_check"]["arms"].items()}
+    return {"kind": "lm_pruning", "split": "test", "task": results["config"]["task"], "machine": common.cpu_model(),
+            "seeds": [{"seed": checkpoint_seed(m.source.get("path")), "checkpoint": m.source.get("path"),
+                       "total_heads": total, "unpruned_bpc": base, "all_off_bpc": results["all_heads_off_bpc"],
+                       "prunable": dict(results["heads_prunable"]),
+                       "first_rise_pct": {o: None if at(o, 1) is None else 100 * (at(o, 1) / base - 1) for o in analysis.ORDERS},
+                       "half_pruned_bpc": {o: at(o, total // 2) for o in analysis.ORDERS},
+                       "spearman": results["spearman_importance_vs_oracle"], "induction": arms}]}
 
 
 ORDER_LABELS_LM = {"importance": "by gradient importance I(l,h)", "oracle": "by oracle (bpc rise)"}
@@ -391,7 +418,7 @@ def lm_induction_check(m: common.StudyModel, model: Decoder) -> dict:
     r = probe.shape[1] // 2
     weights = analysis.attention_weights(m.params, model, probe)
     scores = np.asarray(head_types.prefix_matching_score(weights, r))
-    text = m.task.eval_batch(None, PROBE_ROWS)["inputs"]
+    text = m.task.windows("test", PROBE_ROWS)["inputs"]
     arms = analysis.induction_gating_check(m.params, model, probe, r, text, scores, k=INDUCTION_GATED)
     return {"prefix_matching_spans": scores, "chance": head_types.prefix_matching_chance(r), "arms": arms}
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import common
-from experiments.common import save_figure, write_atomic, write_json
+from experiments.common import fmt, save_figure, write_atomic, write_json
 from jax_mha.lab import stats
 from jax_mha.lab.models import ModelConfig
 from jax_mha.lab.text import TextTaskConfig, ngram_baselines
@@ -87,15 +87,17 @@ def summary(results: dict) -> str:
     a = results["args"]
     lines = [f"Character LM sizing: d_model={a['d_model']}, {a['layers']} layers, T={a['seq_len']}, batch "
              f"{a['batch_size']}, warmup {a['warmup']}, cosine to 1 %, {a['seeds']} seed(s); validation bpc on 64 "
-             f"evenly spaced validation windows; {results['metadata']['cpu']}.",
-             "N-gram bpc on the same split: " + ", ".join(f"{n}-gram {b:.3f}" for n, b in results["ngram_bpc"].items())
+             f"evenly spaced windows of the dev split (the test split is kept for reported numbers); "
+             f"{results['metadata']['cpu']}.",
+             "N-gram bpc on the same (dev) split: " + ", ".join(f"{n}-gram {b:.3f}" for n, b in results["ngram_bpc"].items())
              + ".", "",
              "| heads | lr | steps | characters/seed | validation bpc | train bpc (last 50 steps) | gap | wall s | chars/s |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results["runs"]:
         iv, tr = stats.t_interval(r["final_bpc"]), stats.t_interval(r["train_bpc"])
         lines.append(f"| {r['heads']} | {r['lr']:g} | {r['steps']} | {r['characters_per_seed']:,} | {iv.format(3)} | "
-                     f"{tr.format(3)} | {iv.mean - tr.mean:+.3f} | {r['wall_seconds']:.0f} | {r['tokens_per_second']:,.0f} |")
+                     f"{tr.format(3)} | {fmt(iv.mean - tr.mean, '+.3f')} | {fmt(r['wall_seconds'], '.0f')} | "
+                     f"{fmt(r['tokens_per_second'], ',.0f')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -337,7 +337,7 @@ def test_bpc_criterion_oracle_ranks_by_loss_rise(setup):
     """The LM's rule: the oracle removes the head whose removal raises the loss least,
     and every step inside the rule keeps the loss within 1 % of the unpruned model."""
     model, params, batch = setup
-    _, loss_up = analysis._ablation(params, model, batch, jnp.ones((LAYERS, HEADS)), None)
+    _, loss_up = analysis._ablation(params, analysis.as_head_model(model), batch, jnp.ones((LAYERS, HEADS)), None)
     result = analysis.prune_heads_iteratively(params, model, batch, order="oracle", criterion="loss", max_drop=0.01,
                                               run_to_end=True)
     assert result.steps[1].removed == [divmod(int(np.argmin(np.asarray(loss_up))), HEADS)]

@@ -155,12 +155,42 @@ def test_recall_task_checks_and_registration():
 
     cfg = RecallTaskConfig(num_pairs=4, num_queries=2)
     assert TASKS["mqar"] is RecallTaskConfig and task_from_dict(task_to_dict(cfg)) == cfg
+    old = {k: v for k, v in task_to_dict(cfg).items() if k != "queries_with_replacement"}
+    assert task_from_dict(old).queries_with_replacement is False  # files of the earlier generator
     with pytest.raises(ValueError, match="num_key_symbols"):
         RecallTaskConfig(num_pairs=10, num_key_symbols=3)
-    with pytest.raises(ValueError, match="num_queries"):
-        RecallTaskConfig(num_pairs=2, num_queries=3)
+    with pytest.raises(ValueError, match="num_queries=3 distinct keys"):
+        RecallTaskConfig(num_pairs=2, num_queries=3, queries_with_replacement=False)
+    assert RecallTaskConfig(num_pairs=2, num_queries=3).seq_len == 16  # with repeats, Q may exceed N
+    with pytest.raises(TypeError, match="queries_with_replacement must be a bool"):
+        RecallTaskConfig(queries_with_replacement=1)
     batch = cfg.batch(jax.random.PRNGKey(0), 5)
     perfect = cfg.eval_metrics(None, jax.nn.one_hot(batch["targets"], cfg.vocab_size), batch)
     assert float(perfect["recall_accuracy"]) == 1.0 and float(perfect["query_exact"]) == 1.0
     wrong = cfg.eval_metrics(None, jax.nn.one_hot(jnp.zeros_like(batch["targets"]), cfg.vocab_size), batch)
     assert float(wrong["recall_accuracy"]) == 0.0 and float(wrong["query_exact"]) == 0.0
+
+
+def test_recall_queries_repeat_keys_unless_asked_once():
+    from jax_mha.lab.data import RecallTaskConfig, make_recall_batch
+
+    for replace in (True, False):
+        cfg = RecallTaskConfig(num_pairs=5, num_queries=5, num_key_symbols=3, num_values=7,
+                               queries_with_replacement=replace)
+        batch = jax.tree.map(np.asarray, make_recall_batch(jax.random.PRNGKey(11), cfg, 400))
+        tokens = np.concatenate([batch["inputs"], batch["targets"][:, -1:]], axis=1)
+        queries = tokens[:, 2 + 3 * 5 :].reshape(400, 5, 3)[..., :2]
+        distinct = np.array([len({tuple(q) for q in row}) for row in queries])
+        if replace:
+            # 5 draws from 5 keys repeat one with probability 1 - 5!/5^5 = 0.96; every key
+            # is asked about as often (uniform draws): each of the 5 pairs ~ 1/5 of queries.
+            assert 0.9 < np.mean(distinct < 5) < 1.0
+            pairs = tokens[:, 1 : 1 + 15].reshape(400, 5, 3)[..., :2]
+            which = (pairs[:, None] == queries[:, :, None]).all(-1).argmax(-1)  # (rows, Q) pair index asked
+            assert np.all(np.abs(np.bincount(which.ravel(), minlength=5) / which.size - 0.2) < 0.03)
+        else:
+            assert np.all(distinct == 5)  # the earlier variant: every key once
+        for row in range(20):
+            expected = _recall_reference(tokens[row], 5)
+            for t, value in expected.items():
+                assert batch["targets"][row, t] == value

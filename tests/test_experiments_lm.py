@@ -52,7 +52,13 @@ def test_ablation_writes_bpc_head_types_and_samples(workdir):
     assert {l["sampling"] for l in lines} == {"greedy", "temperature 0.8"} and all(l["continuation"] for l in lines)
     table = (out / "head_types.md").read_text()
     assert table.count("\n| 4 | ") == 8  # 2 seeds x 4 heads, one row each
-    assert "validation bpc" in (out / "summary.md").read_text() and "validation bpc" in stdout
+    assert "test bpc" in (out / "summary.md").read_text() and "test bpc" in stdout  # the reported split
+    artifact = json.loads((out / "artifact.json").read_text())  # what docs/results/data/ takes
+    assert artifact["kind"] == "lm_sweep" and artifact["split"] == "test"
+    assert artifact["heads"]["4"]["final_bpc"] == [run["final_bpc"] for run in record["runs"]]
+    from experiments import report
+
+    assert "| 4 | 2 |" in report.render(artifact, "table")
     # Issue 22: baselines of the split, characters seen, the gap, and the induction curves of every evaluation.
     assert set(results["ngram_bpc"]) == {"1", "2", "3", "4", "5"}
     assert all(run["characters_seen"] == 50 * 4 * 16 for run in record["runs"])
@@ -85,6 +91,10 @@ def test_attention_maps_and_pruning_use_the_ablation_model(workdir):
     arms = pruned["induction_check"]["arms"]
     assert len(arms["top"]["heads"]) == 2 and set(arms["top"]["heads"]).isdisjoint(arms["bottom"]["heads"])
     assert all(arms[a]["second_copy_loss"] > 0 for a in ("none", "top", "bottom"))
+    artifact = json.loads((cwd / "results/head_pruning/lm-tiny/artifact.json").read_text())
+    (row,) = artifact["seeds"]
+    assert artifact["kind"] == "lm_pruning" and row["seed"] == 0 and row["unpruned_bpc"] == pruned["base_bpc"]
+    assert row["induction"]["top"]["heads"] == [list(h) for h in arms["top"]["heads"]]
 
 
 def test_standard_preset_is_the_configuration_lm_heads_reports():

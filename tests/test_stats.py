@@ -65,3 +65,71 @@ def test_paired_difference_removes_the_shared_seed_offset():
     assert unpaired_a.low < unpaired_b.high  # ... the two separate intervals overlap
     with pytest.raises(ValueError, match="equal 1-D shapes"):
         stats.paired_difference([1.0, 2.0], [1.0])
+
+
+# ----------------------------------------------------------------- families of comparisons, shares of seeds
+
+
+def test_holm_by_hand():
+    # Sorted: 0.005 (x4), 0.01 (x3), 0.03 (x2), 0.04 (x1) -> 0.02, 0.03, 0.06, then max(0.04, 0.06).
+    assert stats.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert stats.holm([0.3, 0.6]) == pytest.approx([0.6, 0.6])  # capped at 1 and monotone
+    assert stats.holm([0.9, 0.5, 0.7]) == pytest.approx([1.0, 1.0, 1.0])
+    got = stats.holm([0.02, None, float("nan"), 0.01])  # no test: NaN, and m counts 2 tests
+    assert got[0] == pytest.approx(0.02) and got[3] == pytest.approx(0.02)
+    assert math.isnan(got[1]) and math.isnan(got[2])
+    with pytest.raises(ValueError, match=r"\[0, 1\], got \[1.5\]"):
+        stats.holm([1.5])
+
+
+def test_paired_t_test_against_closed_forms():
+    # Differences 1, 2, 3: mean 2, sd 1, t = 2 sqrt(3), df 2, where the two-sided
+    # p value has the closed form 1 - t / sqrt(2 + t^2).
+    t, p = stats.paired_t_test([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])
+    assert t == pytest.approx(2 * math.sqrt(3))
+    assert p == pytest.approx(1 - t / math.sqrt(2 + t * t), rel=1e-9)
+    # df 1 (two pairs) is Cauchy: p = 1 - (2 / pi) atan(|t|); differences 1 and 3: t = 2.
+    t, p = stats.paired_t_test([5.0, 9.0], [4.0, 6.0])
+    assert t == pytest.approx(2.0) and p == pytest.approx(1 - 2 / math.pi * math.atan(2.0), rel=1e-9)
+    assert stats.paired_t_test([1.0, 2.0, None], [0.0, 1.5, 0.0])[0] == pytest.approx(3.0)  # a missing seed is dropped
+    assert all(math.isnan(x) for x in stats.paired_t_test([1.0], [0.0]))
+    assert stats.paired_t_test([2.0, 3.0], [1.0, 2.0]) == (math.inf, 0.0)  # no spread, non-zero mean
+
+
+def test_paired_t_test_agrees_with_scipy_when_installed():
+    scipy_stats = pytest.importorskip("scipy.stats")
+    rng = np.random.default_rng(7)
+    for n in (3, 5, 11):
+        a, b = rng.normal(size=n), rng.normal(size=n) + 0.4
+        t, p = stats.paired_t_test(a, b)
+        ref = scipy_stats.ttest_rel(a, b)
+        assert (t, p) == pytest.approx((ref.statistic, ref.pvalue), rel=1e-7)
+
+
+def test_paired_comparisons_adjust_over_the_family():
+    family = {"h=2": ([1.0, 2.0, 3.0], [0.0, 0.0, 0.0]), "h=4": ([5.0, 9.0, 1.0], [4.0, 6.0, 1.5])}
+    out = stats.paired_comparisons(family)
+    raw = [stats.paired_t_test(*family[k])[1] for k in family]
+    assert [out[k].p for k in family] == pytest.approx(raw)
+    assert [out[k].p_holm for k in family] == pytest.approx(stats.holm(raw))
+    assert out["h=2"].difference.mean == pytest.approx(2.0) and "Holm p = " in out["h=2"].format()
+
+
+def test_wilson_interval_by_hand():
+    # 3 of 10 at 95 %: centre (0.3 + z^2/20) / (1 + z^2/10), half-width z sqrt(0.021 + z^2/400) / (1 + z^2/10).
+    z = 1.959963984540054
+    centre, half = (0.3 + z * z / 20) / (1 + z * z / 10), z * math.sqrt(0.021 + z * z / 400) / (1 + z * z / 10)
+    assert stats.wilson_interval(3, 10) == pytest.approx((centre - half, centre + half), rel=1e-12)
+    assert stats.wilson_interval(3, 10) == pytest.approx((0.1078, 0.6032), abs=1e-4)  # the usual table value
+    low, high = stats.wilson_interval(0, 5)
+    assert low == 0.0 and high == pytest.approx(z * z / 5 / (1 + z * z / 5))  # closed form at 0 successes
+    assert stats.wilson_interval(5, 5)[1] == 1.0
+    assert all(math.isnan(x) for x in stats.wilson_interval(0, 0))
+    with pytest.raises(ValueError, match="successes=4, n=3"):
+        stats.wilson_interval(4, 3)
+
+
+def test_missing_values_in_pairs_and_formats():
+    iv = stats.paired_difference([1.0, None, 3.0], [0.0, 1.0, 1.0])
+    assert iv.n == 2 and iv.mean == pytest.approx(1.5)
+    assert stats.t_interval([]).format() == "–"

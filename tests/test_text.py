@@ -1,4 +1,4 @@
-"""The character corpus: topic split, vocabulary, random and validation batches, files, bpc."""
+"""The character corpus: the leak-free three-way split, vocabulary, random and held-out batches, files, bpc."""
 
 import math
 from pydoc_data.topics import topics
@@ -14,11 +14,15 @@ from jax_mha.lab.text import (
     bits_per_character,
     corpus_from_file,
     corpus_from_text,
+    leak_free_groups,
     load_corpus,
     make_text_batch,
     reference_corpus,
+    split_documents,
     split_topics,
     validation_batches,
+    verbatim_overlap,
+    window_hashes,
 )
 
 
@@ -27,22 +31,84 @@ def corpus():
     return reference_corpus(TextTaskConfig())
 
 
-def test_reference_split_is_by_topic_deterministic_and_disjoint(corpus):
+def test_reference_split_is_by_topic_deterministic_and_three_way(corpus):
     again = reference_corpus(TextTaskConfig())
-    np.testing.assert_array_equal(corpus.train, again.train)
-    np.testing.assert_array_equal(corpus.validation, again.validation)
-    held = list(corpus.validation_topics)
-    rest = sorted(set(topics) - set(held))
-    assert held and not set(held) & set(rest) and len(held) + len(rest) == len(topics)
+    for name in ("train", "dev", "test"):
+        np.testing.assert_array_equal(corpus.split(name), again.split(name))
+    dev, test = list(corpus.dev_topics), list(corpus.test_topics)
+    rest = sorted(set(topics) - set(dev) - set(test))
+    assert dev and test and not set(dev) & set(test) and len(dev) + len(test) + len(rest) == len(topics)
     # Rebuilt independently from pydoc_data: each split is exactly its topics' text.
-    assert corpus.decode(corpus.validation) == "\n".join(topics[n] for n in sorted(held))
+    assert corpus.decode(corpus.dev) == "\n".join(topics[n] for n in sorted(dev))
+    assert corpus.decode(corpus.test) == "\n".join(topics[n] for n in sorted(test))
     assert corpus.decode(corpus.train) == "\n".join(topics[n] for n in rest)
-    share = sum(len(topics[n]) for n in held) / sum(len(t) for t in topics.values())
-    assert 0.09 < share <= 0.1
+    total = sum(len(t) for t in topics.values())
+    for names in (dev, test):
+        assert 0.09 < sum(len(topics[n]) for n in names) / total <= 0.1
+    assert corpus.validation is corpus.dev and corpus.validation_topics == corpus.dev_topics  # the older names
     assert corpus.vocabulary == "".join(sorted(set("".join(topics.values()))))
     assert corpus.source.startswith("pydoc_data.topics (Python 3.")
+    with pytest.raises(ValueError, match="split must be one of .* got 'valid'"):
+        corpus.split("valid")
 
 
+def brute_force_overlap(reference: str, other: str, width: int = 64) -> float:
+    """Share of `other`'s characters inside a `width`-character run found in `reference`:
+    a Python set of every window as a string, independent of the library's hashing."""
+    windows = {reference[i : i + width] for i in range(len(reference) - width + 1)}
+    covered = np.zeros(len(other), bool)
+    for i in range(len(other) - width + 1):
+        if other[i : i + width] in windows:
+            covered[i : i + width] = True
+    return float(covered.mean()) if other else 0.0
+
+
+def test_held_out_text_is_not_inside_training_text(corpus):
+    train = corpus.decode(corpus.train)
+    for name in ("dev", "test"):
+        held = corpus.decode(corpus.split(name))
+        assert brute_force_overlap(train, held) < 0.02, name
+        assert verbatim_overlap(corpus.train, corpus.split(name)) < 0.02, name
+    # The former split by topic alone leaked: about half of its held-out characters lie
+    # inside a 64-character run of training text (nested topics), and the checker sees it.
+    old_train, old_held = split_topics(topics, 0.1)
+    join = lambda names: "\n".join(topics[n] for n in names)
+    assert verbatim_overlap(join(old_train), join(old_held)) > 0.4
+
+
+def test_verbatim_overlap_equals_the_brute_force_count():
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        reference = "".join(rng.choice(list("abc"), 400))
+        other = "".join(rng.choice(list("abc"), 150)) + reference[37:61] + "".join(rng.choice(list("ab"), 90))
+        for width in (1, 5, 9, 23):
+            assert verbatim_overlap(reference, other, width) == pytest.approx(brute_force_overlap(reference, other, width))
+    ids = np.array([4, 1, 5, 9, 2, 6], np.int32)
+    assert verbatim_overlap(ids, ids[1:4], 3) == 1.0 and verbatim_overlap(ids, ids[::-1], 2) == 0.0
+    assert verbatim_overlap("abc", "ab", 3) == 0.0  # shorter than a window
+    np.testing.assert_array_equal(window_hashes("xyxy", 2)[[0, 2]], window_hashes("xyxy", 2)[[2, 0]])
+    assert window_hashes("xyxy", 2)[0] != window_hashes("xyxy", 2)[1]
+    with pytest.raises(ValueError, match="width must be an int >= 1, got 0"):
+        window_hashes("abc", 0)
+    with pytest.raises(ValueError, match="shape \\(2, 2\\)"):
+        verbatim_overlap(np.zeros((2, 2), np.int32), "ab", 1)
+
+
+def test_leak_free_groups_join_quoting_documents_transitively():
+    rng = np.random.default_rng(0)
+    text = lambda n: "".join(rng.choice(list("abcdefgh "), n))
+    a, c, e = text(300), text(200), text(250)
+    b = "intro " + a[50:130] + " outro"  # quotes 80 characters of a
+    # d quotes b's first 64 characters, which hold "intro " (letters a's alphabet lacks):
+    # d shares no window with a, and joins a's group only through b.
+    docs = {"a": a, "b": b, "c": c, "d": "so " + b[:64] + " and more", "e": e}
+    docs["f"] = "short " + e[:40]  # shares only 40 characters with e: below the width, kept apart
+    groups = leak_free_groups(docs, width=64)
+    assert groups == [["a", "b", "d"], ["c"], ["e"], ["f"]]
+    train, dev, test = split_documents(docs, 0.3, 0.3, width=64)
+    for group in groups:  # a group never straddles two splits
+        assert sum(bool(set(group) & set(part)) for part in (train, dev, test)) == 1
+    assert split_documents(docs, 0.3, 0.3, width=64) == (train, dev, test)
 def test_split_topics_respects_the_fraction():
     docs = {f"doc{i}": "x" * (7 * i + 3) for i in range(13)}
     train, held = split_topics(docs, 0.3)
@@ -125,11 +191,11 @@ def test_file_corpus(tmp_path):
     text = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\r\n" for i in range(31))
     path = tmp_path / "own.txt"
     path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))  # with a BOM and CRLF line ends
-    cfg = TextTaskConfig(seq_len=13, validation_fraction=0.2, text_file=str(path))
+    cfg = TextTaskConfig(seq_len=13, validation_fraction=0.2, test_fraction=0.15, text_file=str(path))
     corpus = load_corpus(cfg)
     clean = text.replace("\r\n", "\n")
-    train, held = corpus.decode(corpus.train), corpus.decode(corpus.validation)
-    assert train + held == clean and len(held) == round(0.2 * len(clean))
+    train, dev, test = (corpus.decode(corpus.split(name)) for name in ("train", "dev", "test"))
+    assert train + dev + test == clean and len(dev) == round(0.2 * len(clean)) and len(test) == round(0.15 * len(clean))
     assert corpus.vocabulary == "".join(sorted(set(clean))) and str(path) in corpus.source
     batch = make_text_batch(jax.random.key(0), corpus.train, cfg, 5)
     assert int(batch["targets"].max()) < corpus.vocab_size
@@ -144,7 +210,7 @@ def test_file_corpus(tmp_path):
         ("dir", "is a directory"),
         (b"", "is empty"),
         (b"abc\xff\xfe", "is not UTF-8: byte 3 is 0xff"),
-        (b"0123456789" * 3, "too short: its splits have 27 training and 3 validation characters"),
+        (b"0123456789" * 3, "too short: its splits have 24 training, 3 dev and 3 test characters"),
     ],
 )
 def test_file_errors_name_the_file(tmp_path, content, message):
@@ -170,6 +236,8 @@ def test_reference_too_short_for_a_huge_window():
         ({"seq_len": 2.5}, TypeError, "seq_len must be an int, got 2.5"),
         ({"validation_fraction": 0.0}, ValueError, "validation_fraction=0.0"),
         ({"validation_fraction": 1.0}, ValueError, "validation_fraction=1.0"),
+        ({"test_fraction": -0.1}, ValueError, "test_fraction=-0.1"),
+        ({"validation_fraction": 0.5, "test_fraction": 0.5}, ValueError, "test_fraction = 1.0 must be < 1"),
         ({"text_file": ""}, ValueError, "text_file=''"),
     ],
 )
@@ -211,7 +279,7 @@ def test_lm_task_is_a_registered_task_and_round_trips(lm_task):
     assert TASKS["lm"] is TextTaskConfig and lm_task.stop_metric is None  # never stops early
     data = task_to_dict(lm_task)
     assert data == {"name": "lm", "seq_len": 7, "validation_fraction": 0.25, "text_file": lm_task.text_file,
-                    "track_induction": False}
+                    "track_induction": False, "test_fraction": 0.1}
     assert task_from_dict(data) == lm_task and hash(task_from_dict(data)) == hash(lm_task)
     assert lm_task.corpus is lm_task.corpus  # loaded once, cached per config
     assert lm_task.vocab_size == len(set(LM_TEXT))
@@ -224,11 +292,16 @@ def test_lm_task_batches_are_windows_of_their_split(lm_task):
     chex.assert_shape([batch["inputs"], batch["targets"]], (5, t))
     for row_in, row_out in zip(np.asarray(batch["inputs"]), np.asarray(batch["targets"])):
         assert corpus.decode(row_in) + corpus.decode(row_out)[-1:] in train
-    val = lm_task.eval_batch(None, 3)  # evenly spaced: the first and the last window of the split
-    validation = np.asarray(corpus.validation)
-    np.testing.assert_array_equal(val["inputs"][0], validation[:t])
-    np.testing.assert_array_equal(val["targets"][-1], validation[-t:])
+    val = lm_task.eval_batch(None, 3)  # evenly spaced: the first and the last window of the dev split
+    dev = np.asarray(corpus.dev)
+    np.testing.assert_array_equal(val["inputs"][0], dev[:t])
+    np.testing.assert_array_equal(val["targets"][-1], dev[-t:])
     assert bool(val["scored"].all())
+    test = lm_task.windows("test", 2)  # the reported split: its own first and last window
+    np.testing.assert_array_equal(test["inputs"][0], corpus.test[:t])
+    np.testing.assert_array_equal(test["targets"][-1], corpus.test[-t:])
+    with pytest.raises(ValueError, match="split must be one of"):
+        lm_task.windows("holdout", 2)
 
 
 def test_lm_eval_metric_is_bits_per_character_by_hand(lm_task):

@@ -1,5 +1,12 @@
 """Which heads matter: importance, single-head ablation, iterative pruning, attention
-statistics — for the decoder of any task (`jax_mha.lab.models.Decoder`).
+statistics — for any model with head gates.
+
+A model is a `jax_mha.lab.patching.HeadModel`: a function `apply(params, inputs, gates,
+*, attention_fn=None) -> logits` with its number of layers and heads, so a user's own
+linen or NNX model plugs in (docs/studies/own_model.md); the trainer's
+`jax_mha.lab.models.Decoder` is accepted as it is (`patching.as_head_model` wraps it).
+Importance, the oracle, pruning and bpc call `apply` with gates only; attention maps
+read the weights through `attention_fn` (`patching.run_with_cache`).
 
 Every head of every layer has a gate ξ(l, h) (`head_mask`, shape `(num_layers, H)`,
 all ones by default) multiplying its output before the heads are combined. Setting a
@@ -10,9 +17,10 @@ gate to 0 removes the head; the gradient of the loss w.r.t. a gate is Michel et 
 
 a first-order estimate of how much the loss changes when the head is removed.
 
-Compiled functions here take the model as a static argument and params, batch and
-gates as traced ones, so repeated calls with the same shapes (every step of
-`prune_heads_iteratively`) reuse one compilation.
+Compiled functions here take the `HeadModel` as a static argument (compared by
+identity; a `Decoder`'s is cached per decoder) and params, batch and gates as traced
+ones, so repeated calls with the same shapes (every step of `prune_heads_iteratively`)
+reuse one compilation.
 
 Batches are the dicts every task's `batch` returns (`jax_mha.lab.data.Task`): int
 `inputs (B, T)`, int `targets (B, T)`, bool `scored (B, T)`; losses and accuracies are
@@ -32,30 +40,28 @@ import numpy as np
 
 from jax_mha.lab import head_types
 from jax_mha.lab.models import Decoder
+from jax_mha.lab.patching import HeadModel, as_head_model, check_gates, run_with_cache
 from jax_mha.lab.text import bits_per_character
 from jax_mha.lab.train import scored_loss
 
 ORDERS = ("importance", "oracle")
 
 
-def gate_shape(model: Decoder) -> tuple[int, int]:
+Model = HeadModel | Decoder  # what every function here takes as `model`
+
+
+def gate_shape(model: Model) -> tuple[int, int]:
     """`(num_layers, num_heads)`, the shape of the model's head gates."""
-    return (model.config.num_layers, model.config.num_heads)
+    return as_head_model(model).gate_shape
 
 
-def _gates_or_ones(model: Decoder, gates) -> jax.Array:
-    shape = gate_shape(model)
-    if gates is None:
-        return jnp.ones(shape, jnp.float32)
-    gates = jnp.asarray(gates, jnp.float32)
-    if gates.shape != shape:
-        raise ValueError(f"gates must have shape (num_layers, num_heads) = {shape}, got {gates.shape}")
-    return gates
+def _gates_or_ones(model: Model, gates) -> jax.Array:
+    return check_gates(as_head_model(model), gates)
 
 
-def _loss_and_accuracy(params, model: Decoder, batch: dict, gates: jax.Array):
+def _loss_and_accuracy(params, model: HeadModel, batch: dict, gates: jax.Array):
     """Teacher-forced scored loss and token accuracy of the gated model on `batch`."""
-    logits = model.apply({"params": params}, batch["inputs"], head_mask=gates)  # (B, T, V)
+    logits = model.apply(params, batch["inputs"], gates)  # (B, T, V)
     return scored_loss(logits, batch)
 
 
@@ -73,7 +79,7 @@ def _gate_metrics(params, model, batch, gate_stack, chunk_size):
 
 
 def gate_metrics(
-    params, model: Decoder, batch: dict, gate_stack: jax.Array, *, chunk_size: int | None = None
+    params, model: Model, batch: dict, gate_stack: jax.Array, *, chunk_size: int | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Accuracy and loss of the model under each gate configuration of a stack.
 
@@ -82,7 +88,7 @@ def gate_metrics(
 
     Args:
       params: the model's parameters.
-      model: the decoder (`jax_mha.lab.models.Decoder`).
+      model: a `HeadModel` or `Decoder` (`patching.as_head_model`).
       batch: `inputs`, `targets`, `scored`, each `(B, T)`.
       gate_stack: float `(G, num_layers, H)`.
       chunk_size: if set, vmap over chunks of this many configurations (a
@@ -95,6 +101,7 @@ def gate_metrics(
     Raises:
       ValueError: if `gate_stack` is not `(G, num_layers, H)`.
     """
+    model = as_head_model(model)
     gate_stack = jnp.asarray(gate_stack, jnp.float32)
     if gate_stack.ndim != 3 or gate_stack.shape[1:] != gate_shape(model):
         raise ValueError(
@@ -104,7 +111,7 @@ def gate_metrics(
     return _gate_metrics(params, model, batch, gate_stack, chunk_size)
 
 
-def make_accuracy_fn(params, model: Decoder, batch: dict) -> Callable[[Any], float]:
+def make_accuracy_fn(params, model: Model, batch: dict) -> Callable[[Any], float]:
     """`accuracy(gates) -> float`: scored-token accuracy under `(num_layers, H)` gates.
 
     Compiled once (on the first call); later calls with any gate values reuse it.
@@ -133,7 +140,7 @@ def single_head_off_gates(gates: jax.Array) -> jax.Array:
 
 
 def ablate_each_head(
-    params, model: Decoder, batch: dict, *, gates: jax.Array | None = None,
+    params, model: Model, batch: dict, *, gates: jax.Array | None = None,
     chunk_size: int | None = None,
 ) -> jax.Array:
     """Michel et al.'s "oracle": the accuracy lost when each single head is removed.
@@ -142,7 +149,7 @@ def ablate_each_head(
 
     Args:
       params: the model's parameters.
-      model: the decoder (`jax_mha.lab.models.Decoder`).
+      model: a `HeadModel` or `Decoder` (`patching.as_head_model`).
       batch: `inputs`, `targets`, `scored`, each `(B, T)`.
       gates: `(num_layers, H)`, the model to start from (default: all heads on).
       chunk_size: see `gate_metrics`.
@@ -154,7 +161,7 @@ def ablate_each_head(
     Raises:
       ValueError: if `gates` has the wrong shape.
     """
-    drops, _ = _ablation(params, model, batch, _gates_or_ones(model, gates), chunk_size)
+    drops, _ = _ablation(params, as_head_model(model), batch, _gates_or_ones(model, gates), chunk_size)
     return drops
 
 
@@ -170,16 +177,19 @@ def _ablation(params, model, batch, gates, chunk_size):
 # ----------------------------------------------------------------- head importance
 
 
-@functools.partial(jax.jit, static_argnames=("model",))
-def per_example_gate_gradients(params, model: Decoder, batch: dict, gates: jax.Array) -> jax.Array:
-    """∂L_n/∂ξ for every example n: `(B, num_layers, H)`.
+def per_example_gate_gradients(params, model: Model, batch: dict, gates: jax.Array) -> jax.Array:
+    """∂L_n/∂ξ for every example n: `(B, num_layers, H)`; jitted.
 
     `L_n` is the mean cross-entropy over example n's scored positions
     (`train.scored_loss` on a batch of one); gradients are taken per example with
     `vmap(grad(·))`, not from the batch-summed loss, so that positive and negative
     contributions of different examples do not cancel before the absolute value.
     """
+    return _per_example_gate_gradients(params, as_head_model(model), batch, gates)
 
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def _per_example_gate_gradients(params, model: HeadModel, batch: dict, gates: jax.Array) -> jax.Array:
     def example_loss(g, example):
         one = jax.tree.map(lambda x: x[None], example)  # a batch of one: (1, T)
         loss, _ = _loss_and_accuracy(params, model, one, g)
@@ -196,13 +206,13 @@ def normalize_per_layer(scores: jax.Array, eps: float = 1e-20) -> jax.Array:
 
 
 def head_importance(
-    params, model: Decoder, batch: dict, *, gates: jax.Array | None = None, normalize: bool = True
+    params, model: Model, batch: dict, *, gates: jax.Array | None = None, normalize: bool = True
 ) -> jax.Array:
     """Michel et al. 2019's importance proxy `I(l, h) = mean_n |∂L_n/∂ξ(l, h)|`.
 
     Args:
       params: the model's parameters.
-      model: the decoder (`jax_mha.lab.models.Decoder`).
+      model: a `HeadModel` or `Decoder` (`patching.as_head_model`).
       batch: `inputs`, `targets`, `scored`, each `(B, T)`; every example counts
         equally.
       gates: `(num_layers, H)` gates the gradient is taken at (default all ones: the
@@ -217,12 +227,12 @@ def head_importance(
     Raises:
       ValueError: if `gates` has the wrong shape.
     """
-    return _importance(params, model, batch, _gates_or_ones(model, gates), normalize)
+    return _importance(params, as_head_model(model), batch, _gates_or_ones(model, gates), normalize)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "normalize"))
 def _importance(params, model, batch, gates, normalize):
-    grads = per_example_gate_gradients(params, model, batch, gates)  # (B, L, H)
+    grads = _per_example_gate_gradients(params, model, batch, gates)  # (B, L, H)
     scores = jnp.mean(jnp.abs(grads), axis=0) * (gates != 0)  # (L, H)
     return normalize_per_layer(scores) if normalize else scores
 
@@ -342,7 +352,7 @@ def _check_pruning_args(order: str, criterion: str, max_drop: float, heads_per_s
 
 def prune_heads_iteratively(
     params,
-    model: Decoder,
+    model: Model,
     batch: dict,
     *,
     order: str = "importance",
@@ -372,7 +382,7 @@ def prune_heads_iteratively(
 
     Args:
       params: the model's parameters.
-      model: the decoder (`jax_mha.lab.models.Decoder`).
+      model: a `HeadModel` or `Decoder` (`patching.as_head_model`).
       batch: the evaluation batch: every recorded accuracy is measured on it.
       order: "importance" or "oracle".
       max_drop: the stop rule's tolerance.
@@ -395,6 +405,7 @@ def prune_heads_iteratively(
       FloatingPointError: as soon as a ranking contains NaN or inf.
     """
     _check_pruning_args(order, criterion, max_drop, heads_per_step)
+    model = as_head_model(model)
     score_batch = batch if score_batch is None else score_batch
     shape = gate_shape(model)
 
@@ -426,22 +437,28 @@ def prune_heads_iteratively(
 # ----------------------------------------------------------------- attention statistics
 
 
-@functools.partial(jax.jit, static_argnames=("model",))
-def attention_weights(params, model: Decoder, inputs: jax.Array, gates: jax.Array | None = None) -> jax.Array:
+def attention_weights(params, model: Model, inputs: jax.Array, gates: jax.Array | None = None) -> jax.Array:
     """Attention weights of every layer under `gates` (default all on), jitted.
+
+    Read through the model's `attention_fn` hook (`patching.run_with_cache`), so any
+    `HeadModel` whose `apply` passes it on has maps.
 
     Args:
       params: the model's parameters.
-      model: the decoder (`jax_mha.lab.models.Decoder`).
+      model: a `HeadModel` or `Decoder`.
       inputs: int `(B, T)`.
       gates: `(num_layers, H)` or None.
 
     Returns:
       `(num_layers, B, H, T, T)`. A gated-off head still has weights (its output is
       what the gate removes); later layers see the effect of earlier gates.
+
+    Raises:
+      ValueError: for gates of the wrong shape or a model that does not pass
+        `attention_fn` to each of its layers.
     """
-    _, weights = model.apply({"params": params}, inputs, head_mask=gates, return_weights=True)
-    return weights
+    _, cache = run_with_cache(model, params, inputs, gates=gates, weights=True)
+    return jnp.stack(cache.weights)
 
 
 def offset_profile(weights: jax.Array, query_mask: jax.Array | None = None) -> jax.Array:
@@ -486,16 +503,16 @@ def diagonal_weight(weights: jax.Array, offset: int, query_mask: jax.Array | Non
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
-def _split_losses(params, model: Decoder, batches: dict, gates: jax.Array) -> jax.Array:
+def _split_losses(params, model: HeadModel, batches: dict, gates: jax.Array) -> jax.Array:
     return jax.lax.map(lambda b: _loss_and_accuracy(params, model, b, gates)[0], batches)  # (num_batches,)
 
 
-def split_bpc(params, model: Decoder, batches: dict, *, gates: jax.Array | None = None) -> float:
+def split_bpc(params, model: Model, batches: dict, *, gates: jax.Array | None = None) -> float:
     """Bits per character over a whole split (`jax_mha.lab.text.validation_batches`).
 
     Args:
       params: the model's parameters.
-      model: the decoder.
+      model: a `HeadModel` or `Decoder`.
       batches: `inputs`, `targets`, `scored`, each `(num_batches, B, T)`.
       gates: optional `(num_layers, H)` head gates.
 
@@ -503,19 +520,19 @@ def split_bpc(params, model: Decoder, batches: dict, *, gates: jax.Array | None 
       the mean over every scored character of the cross-entropy in bits (batches
       weighted by how many characters they score).
     """
-    losses = _split_losses(params, model, batches, _gates_or_ones(model, gates))
+    losses = _split_losses(params, as_head_model(model), batches, _gates_or_ones(model, gates))
     return float(bits_per_character(losses, num_scored=jnp.sum(batches["scored"], axis=(1, 2))))
 
 
 def model_head_scores(
-    params, model: Decoder, text_inputs: jax.Array, *, key: jax.Array, num_sequences: int = 32, low: int = 0,
+    params, model: Model, text_inputs: jax.Array, *, key: jax.Array, num_sequences: int = 32, low: int = 0,
 ) -> head_types.HeadScores:
     """Every head's previous-token, first-token and entropy scores on real text and
     its induction score on repeated random tokens (`jax_mha.lab.head_types`).
 
     Args:
       params: the model's parameters.
-      model: the decoder.
+      model: a `HeadModel` or `Decoder`.
       text_inputs: int `(B, T)`, e.g. validation windows.
       key: PRNG key of the repeated random tokens.
       num_sequences: rows of the induction probe, each `R = T // 2` distinct random
@@ -525,8 +542,11 @@ def model_head_scores(
     Returns:
       `HeadScores`, each field `(num_layers, H)`.
     """
+    model = as_head_model(model)
+    if model.vocab_size is None:
+        raise ValueError("model_head_scores draws random tokens: give the HeadModel its vocab_size")
     repeat = text_inputs.shape[-1] // 2
-    probe = head_types.repeated_random_tokens(key, num_sequences, repeat, model.config.vocab_size, low=low)
+    probe = head_types.repeated_random_tokens(key, num_sequences, repeat, model.vocab_size, low=low)
     text_weights = attention_weights(params, model, text_inputs)  # (L, B, H, T, T)
     probe_weights = attention_weights(params, model, probe)  # (L, B', H, 2R, 2R)
     return head_types.head_scores(text_weights, probe_weights, probe)
@@ -536,11 +556,11 @@ def model_head_scores(
 
 
 def ablate_each_head_loss(
-    params, model: Decoder, batch: dict, *, gates: jax.Array | None = None, chunk_size: int | None = None,
+    params, model: Model, batch: dict, *, gates: jax.Array | None = None, chunk_size: int | None = None,
 ) -> jax.Array:
     """The oracle for a language model: the rise in scored loss (nats) when each single
     head is removed, `(num_layers, H)` (the loss-side twin of `ablate_each_head`)."""
-    _, rises = _ablation(params, model, batch, _gates_or_ones(model, gates), chunk_size)
+    _, rises = _ablation(params, as_head_model(model), batch, _gates_or_ones(model, gates), chunk_size)
     return rises
 
 
@@ -560,7 +580,7 @@ def gates_without(shape: tuple[int, int], heads) -> np.ndarray:
 
 
 def induction_gating_check(
-    params, model: Decoder, probe: jax.Array, repeat_length: int, text_inputs: jax.Array, scores, *, k: int = 2,
+    params, model: Model, probe: jax.Array, repeat_length: int, text_inputs: jax.Array, scores, *, k: int = 2,
     early: tuple[int, int] | None = None, late_from_end: int | None = None,
 ) -> dict:
     """Olsson et al.'s causal test: gate the `k` heads of highest prefix-matching score
@@ -573,7 +593,7 @@ def induction_gating_check(
 
     Args:
       params: the trained decoder's parameters.
-      model: the decoder.
+      model: a `HeadModel` or `Decoder`.
       probe: int `(B, 2R)` repeated rows (`head_types.repeated_spans` or `repeated_symbols`).
       repeat_length: R.
       text_inputs: int `(B', T)` held-out text windows (their next characters are the
@@ -590,15 +610,16 @@ def induction_gating_check(
     t = text_inputs.shape[1]
     early = early or (max(1, t // 16), max(2, t // 8))
     late_from_end = late_from_end or max(1, t // 8)
-    shape = gate_shape(model)
+    model = as_head_model(model)
+    shape = model.gate_shape
     order = top_heads(scores, int(np.prod(shape)))
     arms = {"none": [], "top": order[:k], "bottom": order[::-1][:k]}
     out = {}
     for name, heads in arms.items():
         gates = jnp.asarray(gates_without(shape, heads))
-        probe_logits = model.apply({"params": params}, probe, head_mask=gates)
+        probe_logits = model.apply(params, probe, gates)
         copying = head_types.copying_effect(probe_logits, probe, repeat_length)
-        nll = head_types.token_losses(model.apply({"params": params}, text_inputs, head_mask=gates), text_inputs)
+        nll = head_types.token_losses(model.apply(params, text_inputs, gates), text_inputs)
         tt = nll.shape[1]  # T - 1 scored positions
         out[name] = {"heads": heads, "second_copy_loss": float(copying["second_copy_loss"]),
                      "first_copy_loss": float(copying["first_copy_loss"]),

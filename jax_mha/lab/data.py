@@ -6,7 +6,7 @@ A task is a small frozen config with three duties (the `Task` protocol):
   int `targets (B, T)` (the next tokens) and bool `scored (B, T)` (where the loss counts);
 * `eval_batch(key, batch_size)` the held-out batch the trainer evaluates on (the copy
   task: fresh sequences from the evaluation key; the language model: windows of its
-  validation split);
+  dev split, the one every choice is made on);
 * `eval_metrics(decoding, logits, batch)` adds the task's own held-out metrics to
   the generic ones (loss, token accuracy, attention statistics);
 * `stop_metric` names the metric early stopping watches (None: never stop early).
@@ -15,7 +15,7 @@ Every task shares that batch layout, so one trainer, one loss (`train.scored_los
 and one analysis serve them all; a new task (e.g. a character language model) is a
 new config class registered in `TASKS`. Registered: "copy" (below) and "lm", the
 character language model of `jax_mha.lab.text.TextTaskConfig` (no early stopping: its
-`stop_metric` is None; its held-out metric is validation bits per character, `bpc`).
+`stop_metric` is None; its held-out metric is dev bits per character, `bpc`).
 
 The delayed copy task (Katharopoulos et al. 2020; Jelassi et al. 2024): a sequence
 is `BOS x1 … xL SEP x1 … xL EOS` (then PAD up to the longest L). A decoder reads it
@@ -131,6 +131,13 @@ class RecallTaskConfig:
     a query's `b` and the target its `v`: the value of the context pair whose key is the
     two tokens just read. Keys are distinct within a row; values are independent.
 
+    Queries. Each query draws one of the N keys uniformly, independently of the others
+    (repeats allowed, as Zoology's MQAR generator samples them). The earlier variant,
+    every key asked exactly once (`queries_with_replacement=False`, Q = N), had a
+    shortcut: the answer is a value of a pair not yet asked, so "the most common value
+    among the pairs not yet asked" beats chance without any key lookup. With repeats,
+    which keys are still to come is not known, and the shortcut falls to about chance.
+
     Why one head is not enough: to answer, the query position must find the context
     position whose *two* preceding tokens match its own two, by content. In a small
     decoder that means gathering `(a_j, b_j)` into the value's position (offsets -1 and
@@ -144,20 +151,26 @@ class RecallTaskConfig:
     stop_metric: ClassVar[str | None] = None  # a fixed step budget; the area under the loss curve is the measure
 
     num_pairs: int = 8  # N key-value pairs in context
-    num_queries: int = 8  # Q <= N distinct keys asked back, in random order
+    num_queries: int = 8  # Q keys asked back, each drawn uniformly from the N
     num_key_symbols: int = 6  # K: K*K = 36 possible keys, 8 of them per row
     num_values: int = 8  # V: chance accuracy 1/V
+    # True: queries draw keys with repeats (no elimination shortcut); False: Q distinct
+    # keys in random order, the earlier variant (kept so its results can be reproduced).
+    queries_with_replacement: bool = True
 
     def __post_init__(self):
         for field in ("num_pairs", "num_queries", "num_key_symbols", "num_values"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{field} must be an int >= 1, got {value!r}")
+        if not isinstance(self.queries_with_replacement, bool):
+            raise TypeError(f"queries_with_replacement must be a bool, got {self.queries_with_replacement!r}")
         if self.num_pairs > self.num_key_symbols**2:
             raise ValueError(f"num_pairs={self.num_pairs} distinct keys need num_key_symbols**2 >= num_pairs, "
                              f"got {self.num_key_symbols}**2 = {self.num_key_symbols**2}")
-        if self.num_queries > self.num_pairs:
-            raise ValueError(f"num_queries={self.num_queries} must be <= num_pairs={self.num_pairs}")
+        if not self.queries_with_replacement and self.num_queries > self.num_pairs:
+            raise ValueError(f"num_queries={self.num_queries} distinct keys must be <= num_pairs={self.num_pairs} "
+                             "(or draw them with queries_with_replacement=True)")
 
     @property
     def first_value(self) -> int:
@@ -210,7 +223,10 @@ def make_recall_batch(key: jax.Array, config: RecallTaskConfig, batch_size: int)
     pair = jnp.argsort(jax.random.uniform(key_key, (batch_size, k * k)), axis=1)[:, :n]  # (B, N)
     a, b = FIRST_SYMBOL + pair // k, FIRST_SYMBOL + pair % k
     v = jax.random.randint(value_key, (batch_size, n), 0, config.num_values) + config.first_value
-    asked = jnp.argsort(jax.random.uniform(query_key, (batch_size, n)), axis=1)[:, :q]  # (B, Q) pair indices
+    if config.queries_with_replacement:
+        asked = jax.random.randint(query_key, (batch_size, q), 0, n)  # (B, Q) pair indices, repeats allowed
+    else:
+        asked = jnp.argsort(jax.random.uniform(query_key, (batch_size, n)), axis=1)[:, :q]  # (B, Q) distinct
     take = lambda x: jnp.take_along_axis(x, asked, axis=1)
     triples = lambda *xs: jnp.stack(xs, axis=-1).reshape(batch_size, -1)  # (B, 3·count): a b v a b v …
     column = lambda token: jnp.full((batch_size, 1), token, jnp.int32)
@@ -285,7 +301,10 @@ def task_to_dict(task: Task) -> dict[str, Any]:
 
 
 def task_from_dict(data: dict[str, Any]) -> Task:
-    """Inverse of `task_to_dict`; a dict without `name` is a copy task (older files).
+    """Inverse of `task_to_dict`; a dict without `name` is a copy task, a recall task
+    without `queries_with_replacement` asked distinct keys (older files). A language
+    model's dict without `test_fraction` was split in two by topic; it loads with the
+    three-way leak-free split, which its numbers were not measured on.
 
     Raises:
       ValueError: for an unknown task name or fields the task does not have.
@@ -294,6 +313,8 @@ def task_from_dict(data: dict[str, Any]) -> Task:
     name = data.pop("name", CopyTaskConfig.name)
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {sorted(TASKS)}")
+    if name == RecallTaskConfig.name:
+        data.setdefault("queries_with_replacement", False)
     try:
         return TASKS[name](**data)
     except TypeError as e:

@@ -1,4 +1,5 @@
-"""Seed statistics for the studies: sample spread, t intervals, seed-paired differences.
+"""Seed statistics for the studies: sample spread, t intervals, seed-paired differences,
+paired t tests with Holm's correction over a family of comparisons, Wilson intervals.
 
 Every study trains a handful of seeds (usually 3) per configuration, so the spread
 must be the *sample* standard deviation (ddof=1; the population one, ddof=0,
@@ -8,7 +9,15 @@ A seed gets the same data stream and evaluation set at every head count, so
 differences between two configurations are taken seed by seed (paired), which
 removes the part of the spread that the seed's data order shares.
 
-NumPy only: no SciPy dependency. The t quantile is computed by bisection on the
+A page that reports several paired differences makes a family of comparisons: each
+95 % interval holds for one comparison alone, and over k independent ones the chance
+that at least one excludes 0 by luck is 1 - 0.95^k (30 % at k = 7). So each
+difference also gets a paired t test, and the family's p values are adjusted by
+Holm's step-down method (`holm`, `paired_comparisons`), which keeps the family-wise
+error rate at the level whatever the dependence between the comparisons. A share of
+seeds (how many of n solve a task) gets Wilson's score interval (`wilson_interval`).
+
+NumPy and the standard library only: no SciPy dependency. The t quantile is computed by bisection on the
 regularized incomplete beta function (a continued fraction, Numerical Recipes
 §6.4), accurate to ~1e-10; the tests compare it with tabulated values.
 """
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -120,7 +130,9 @@ class Interval:
         return not self.low <= value <= self.high
 
     def format(self, digits: int = 3) -> str:
-        """'m [lo, hi]', e.g. for a results table."""
+        """'m [lo, hi]', e.g. for a results table; 'm (n=1)' for one value, '–' for none."""
+        if self.n == 0:
+            return "–"
         if self.n < 2:
             return f"{self.mean:.{digits}f} (n=1)"
         return f"{self.mean:.{digits}f} [{self.low:.{digits}f}, {self.high:.{digits}f}]"
@@ -142,16 +154,133 @@ def t_interval(values: Iterable[float | None], level: float = 0.95) -> Interval:
     return Interval(mean, std, mean - half, mean + half, n, level)
 
 
-def paired_difference(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> Interval:
+def _pairs(a: Sequence[float | None], b: Sequence[float | None]) -> np.ndarray:
+    """`a[i] - b[i]` as float64 `(n,)`, a None read as NaN (dropped by `_finite` later).
+
+    Raises:
+      ValueError: if the two are not 1-D of one length.
+    """
+    to_array = lambda x: np.asarray([np.nan if v is None else v for v in x], np.float64)
+    a, b = to_array(a), to_array(b)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError(f"paired values need equal 1-D shapes, got {a.shape} and {b.shape}")
+    return a - b
+
+
+def paired_difference(a: Sequence[float | None], b: Sequence[float | None], level: float = 0.95) -> Interval:
     """t interval of the seed-by-seed differences `a[i] - b[i]`.
 
     Args:
-      a, b: one value per seed, in the same seed order (same length).
+      a, b: one value per seed, in the same seed order (same length). A seed with None
+        or a non-finite value on either side is left out of the pair.
 
     Raises:
       ValueError: if the lengths differ.
     """
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if a.shape != b.shape or a.ndim != 1:
-        raise ValueError(f"paired values need equal 1-D shapes, got {a.shape} and {b.shape}")
-    return t_interval(a - b, level)
+    return t_interval(_pairs(a, b), level)
+
+
+def paired_t_test(a: Sequence[float | None], b: Sequence[float | None]) -> tuple[float, float]:
+    """Student's paired t test of `mean(a - b) = 0`: `(t, two-sided p)`, n - 1 dof.
+
+    Pairs with a missing side are left out. Fewer than 2 pairs give `(NaN, NaN)`; zero
+    spread gives `t = ±inf, p = 0` for a non-zero mean and `(NaN, NaN)` for a zero one.
+
+    Raises:
+      ValueError: if the lengths differ.
+    """
+    d = _finite(_pairs(a, b))
+    if d.size < 2:
+        return float("nan"), float("nan")
+    mean, se = float(d.mean()), float(d.std(ddof=1)) / math.sqrt(d.size)
+    if se == 0.0:
+        return (float("nan"), float("nan")) if mean == 0.0 else (math.copysign(math.inf, mean), 0.0)
+    t = mean / se
+    return t, min(1.0, 2.0 * t_cdf(-abs(t), d.size - 1))
+
+
+def holm(p_values: Sequence[float | None]) -> list[float]:
+    """Holm's (1979) step-down adjustment of a family of p values.
+
+    With the m finite p values sorted, p_(1) <= … <= p_(m), the adjusted value of p_(i)
+    is `max_{j <= i} min(1, (m - j + 1) p_(j))`; rejecting where it is <= alpha holds the
+    family-wise error rate at alpha for any dependence between the tests.
+
+    Args:
+      p_values: one per comparison; None or NaN (no test) stays NaN and does not count
+        towards m.
+
+    Returns:
+      the adjusted p values, in the order given.
+
+    Raises:
+      ValueError: for a p value outside [0, 1].
+    """
+    p = np.asarray([np.nan if v is None else v for v in p_values], np.float64)
+    if np.any((p < 0) | (p > 1)):
+        raise ValueError(f"p values must lie in [0, 1], got {p.tolist()}")
+    out = np.full(p.shape, np.nan)
+    finite = np.flatnonzero(np.isfinite(p))
+    order = finite[np.argsort(p[finite], kind="stable")]
+    m = order.size
+    running = 0.0
+    for rank, i in enumerate(order):  # rank 0 is the smallest p: multiplier m
+        running = max(running, min(1.0, (m - rank) * p[i]))
+        out[i] = running
+    return out.tolist()
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """One seed-paired comparison of a family: `a - b` with its t interval, the paired
+    t test's p value and the p value Holm-adjusted over the family."""
+
+    name: str
+    difference: Interval
+    t: float
+    p: float
+    p_holm: float
+
+    def format(self, digits: int = 3) -> str:
+        """'m [lo, hi], p = …, Holm p = …' (p values to 3 significant digits)."""
+        p = lambda x: "–" if not math.isfinite(x) else f"{x:.3g}"
+        return f"{self.difference.format(digits)}, p = {p(self.p)}, Holm p = {p(self.p_holm)}"
+
+
+def paired_comparisons(family: dict[str, tuple[Sequence[float | None], Sequence[float | None]]],
+                       level: float = 0.95) -> dict[str, Comparison]:
+    """Every comparison of a family at once: `{name: (a, b)}` -> `{name: Comparison}`,
+    the Holm adjustment taken over all of them (the family is what one page reports).
+
+    Raises:
+      ValueError: if a pair's lengths differ.
+    """
+    tests = {name: (paired_difference(a, b, level), *paired_t_test(a, b)) for name, (a, b) in family.items()}
+    adjusted = holm([p for _, _, p in tests.values()])
+    return {name: Comparison(name, iv, t, p, adj) for (name, (iv, t, p)), adj in zip(tests.items(), adjusted)}
+
+
+def wilson_interval(successes: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """Wilson's (1927) score interval for a share `successes / n`, e.g. of seeds that
+    solve a task; unlike the normal approximation it stays inside [0, 1] and is not
+    empty at 0 or n successes.
+
+    Returns:
+      `(low, high)`; `(NaN, NaN)` for n = 0.
+
+    Raises:
+      ValueError: for successes outside [0, n], n < 0 or level outside (0, 1).
+    """
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    if n < 0 or not 0 <= successes <= max(n, 0):
+        raise ValueError(f"need 0 <= successes <= n, got successes={successes}, n={n}")
+    if n == 0:
+        return float("nan"), float("nan")
+    z = statistics.NormalDist().inv_cdf(0.5 + level / 2.0)
+    share, z2n = successes / n, z * z / n
+    center = (share + z2n / 2.0) / (1.0 + z2n)
+    half = z * math.sqrt(share * (1.0 - share) / n + z2n / (4.0 * n)) / (1.0 + z2n)
+    # At 0 (n) successes the bound is exactly 0 (1); rounding would leave ~1e-17 there.
+    low = 0.0 if successes == 0 else max(0.0, center - half)
+    return low, 1.0 if successes == n else min(1.0, center + half)

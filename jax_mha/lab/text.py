@@ -6,22 +6,32 @@ ships for `help()`: `pydoc_data.topics.topics`, a dict of 79 topics (on Python 3
 needs no network, and is real sentences a person can read in an attention map. The
 exact size depends on the Python version; `TextCorpus.source` records which one.
 
-Split. The reference is split *by topic* so that the validation text is unseen, not
-merely a different window of the same paragraph: topics are visited in the order of
-`zlib.crc32` of their names (stable across runs and platforms, unlike `hash`), and a
-topic joins the validation split if it still fits under `validation_fraction` of all
-characters; the rest is training text. With the default 0.1 that holds out 22 topics,
-about 10 % of the characters. A user's own file (`--text FILE`) has no topics: its
-last `validation_fraction` of characters is the validation split (nanoGPT's
-convention). Topics (or the file's two parts) are joined with a newline.
+Three splits: `train`, `dev` (also called `validation`: the trainer's evaluations, and
+every choice of learning rate, steps or preset is made on it) and `test` (the numbers a
+study reports, measured once at the end).
+
+Split without leaks. The reference's topics quote each other (`attribute-access` lies
+inside `specialnames`, `exceptions` inside `execmodel`, ...): a split by topic alone puts
+held-out text that is a verbatim copy of training text on the held-out side
+(docs/results/index.md gives the share). So topics
+that share any run of `LEAK_WIDTH` = 64 characters are joined into one group
+(transitively: a union-find over shared windows, `leak_free_groups`), and whole groups
+are split: visited in the order of `zlib.crc32` of their first name (stable across runs
+and platforms, unlike `hash`), a group joins test while it still fits under
+`test_fraction` of all characters, else dev under `validation_fraction`, else training.
+So dev and test each hold at most their fraction (0.1 by default), and no held-out
+character lies inside a 64-character window that also occurs in training, since no
+group straddles two splits (`verbatim_overlap` measures it; the tests check it). A user's own file (`--text FILE`) has no topics: its
+last `test_fraction` of characters is the test split and the `validation_fraction`
+before it the dev split (nanoGPT's convention, twice). Topics (or the file's parts)
+are joined with a newline.
 
 Vocabulary: characters, not bytes. Every token is one character a person can read on
-the axes of an attention map, the evaluation is then exactly bits per *character*
-(issue 10), and the vocabulary stays small (103 symbols for the reference) where bytes
+the axes of an attention map, the evaluation is then exactly bits per *character*, and the vocabulary stays small (103 symbols for the reference) where bytes
 would need 256 and split the curly quotes of the reference into three tokens each. The
-vocabulary is the sorted set of characters of the whole text (both splits), as in
+vocabulary is the sorted set of characters of the whole text (every split), as in
 char-rnn and nanoGPT's `shakespeare_char`: only the character set is shared with the
-validation split, never its text, and every validation character has an id. Files are
+held-out splits, never their text, and every held-out character has an id. Files are
 read as UTF-8 (a byte-order mark is dropped, line endings become `\\n`), so any text
 file works; a file that is not UTF-8 is an error naming the file and the byte.
 
@@ -45,6 +55,9 @@ import jax.numpy as jnp
 import numpy as np
 
 REFERENCE_SOURCE = "pydoc_data.topics"  # TextCorpus.source prefix of the default corpus
+# Shortest verbatim run that counts as a leak between splits: a sentence or a code line,
+# longer than the phrases ("the value of the", "is an error") every English page shares.
+LEAK_WIDTH = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +66,8 @@ class TextTaskConfig:
 
     Also the character language-model task the trainer consumes (`jax_mha.lab.data.Task`,
     registered as "lm"): `batch` samples training windows, `eval_batch` takes evenly
-    spaced validation windows and `eval_metrics` reports validation bits per character
-    (`bpc`). Its corpus is loaded once per config and cached (`corpus`), never per step.
+    spaced dev windows and `eval_metrics` reports their bits per character (`bpc`);
+    `windows("test", B)` are the test split's. Its corpus is loaded once per config and cached (`corpus`), never per step.
     """
 
     name: ClassVar[str] = "lm"
@@ -62,19 +75,24 @@ class TextTaskConfig:
     stop_metric: ClassVar[str | None] = None
 
     seq_len: int = 128  # T, characters per window: ~2.5 lines of the reference (52 characters a line)
-    validation_fraction: float = 0.1  # share of characters held out: 46,437 of the reference (22 of its 79 topics)
+    validation_fraction: float = 0.1  # at most this share of characters is the dev split (the trainer's evaluations)
     text_file: str | None = None  # None: the Python Language Reference; else a UTF-8 file (--text FILE)
     # Also measure, at every evaluation, the induction evidence of `induction_metrics`
     # (prefix matching, copying, ICL score), so a phase change shows in the curves.
     track_induction: bool = False
+    test_fraction: float = 0.1  # at most this share is the test split, the one a study reports
 
     def __post_init__(self):
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, numbers.Integral):
             raise TypeError(f"seq_len must be an int, got {self.seq_len!r}")
         if self.seq_len < 1:
             raise ValueError(f"seq_len={self.seq_len} must be >= 1")
-        if not 0.0 < self.validation_fraction < 1.0:
-            raise ValueError(f"validation_fraction={self.validation_fraction} must be in (0, 1)")
+        for field in ("validation_fraction", "test_fraction"):
+            if not 0.0 < getattr(self, field) < 1.0:
+                raise ValueError(f"{field}={getattr(self, field)} must be in (0, 1)")
+        if self.validation_fraction + self.test_fraction >= 1.0:
+            raise ValueError(f"validation_fraction + test_fraction = {self.validation_fraction + self.test_fraction} "
+                             "must be < 1: training needs the rest")
         if self.text_file is not None and (not isinstance(self.text_file, str) or not self.text_file):
             raise ValueError(f"text_file={self.text_file!r} must be None or a non-empty path")
 
@@ -101,15 +119,28 @@ class TextTaskConfig:
         return make_text_batch(key, jnp.asarray(self.corpus.train), self, batch_size)
 
     def eval_batch(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
-        """`batch_size` validation windows at evenly spaced offsets over the whole
-        validation split (every held-out topic is sampled); deterministic, `key` unused.
+        """`windows("dev", batch_size)`: the trainer's evaluation reads the dev split
+        only; the test split is kept for the final measurement a study reports. `key`
+        is unused (the windows are deterministic)."""
+        del key
+        return self.windows("dev", batch_size)
+
+    def windows(self, split: str, batch_size: int) -> dict[str, jax.Array]:
+        """`batch_size` windows of one split at evenly spaced offsets over all of it
+        (every topic of the split is sampled); deterministic.
+
+        Args:
+          split: "train", "dev" (or "validation") or "test".
+          batch_size: B.
 
         Returns:
           int32 `inputs (B, T)`, int32 `targets (B, T)`, bool `scored (B, T)` (all True).
+
+        Raises:
+          ValueError: for an unknown split, batch_size < 1 or a split shorter than T + 1.
         """
-        del key
-        _check_tokens(jnp.asarray(self.corpus.validation), self, batch_size, "validation")
-        tokens = np.asarray(self.corpus.validation)
+        tokens = np.asarray(self.corpus.split(split))
+        _check_tokens(jnp.asarray(tokens), self, batch_size, split)
         t = self.seq_len
         starts = np.linspace(0, tokens.shape[0] - t - 1, batch_size).round().astype(np.int64)
         rows = np.stack([tokens[s : s + t + 1] for s in starts]).astype(np.int32)  # (B, T+1)
@@ -193,25 +224,48 @@ def scored_nats(logits: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TextCorpus:
-    """A character corpus split into training and validation token arrays.
+    """A character corpus split into training, dev and test token arrays.
 
     Attributes:
       vocabulary: the characters in id order (id `i` is `vocabulary[i]`), sorted.
       train: int32 `(num_train_chars,)`, the training split as ids.
-      validation: int32 `(num_validation_chars,)`, the held-out split as ids.
+      dev: int32 `(num_dev_chars,)`, the split every choice is made on (`validation`).
+      test: int32 `(num_test_chars,)`, the split a study reports.
       source: where the text came from, e.g. "pydoc_data.topics (Python 3.11.7)".
-      validation_topics: the held-out topic names (reference corpus), else ().
+      dev_topics, test_topics: the held-out topic names (reference corpus), else ().
     """
 
     vocabulary: str
     train: np.ndarray
-    validation: np.ndarray
+    dev: np.ndarray
+    test: np.ndarray
     source: str
-    validation_topics: tuple[str, ...] = ()
+    dev_topics: tuple[str, ...] = ()
+    test_topics: tuple[str, ...] = ()
+
+    @property
+    def validation(self) -> np.ndarray:
+        """The dev split under its older name (the trainer's evaluation windows)."""
+        return self.dev
+
+    @property
+    def validation_topics(self) -> tuple[str, ...]:
+        return self.dev_topics
 
     @property
     def vocab_size(self) -> int:
         return len(self.vocabulary)
+
+    def split(self, name: str) -> np.ndarray:
+        """The ids of split `name` ("train", "dev" or "validation", "test").
+
+        Raises:
+          ValueError: naming an unknown split.
+        """
+        splits = {"train": self.train, "dev": self.dev, "validation": self.dev, "test": self.test}
+        if name not in splits:
+            raise ValueError(f"split must be one of {sorted(splits)}, got {name!r}")
+        return splits[name]
 
     def encode(self, text: str) -> np.ndarray:
         """`str` of length N -> int32 `(N,)`; ValueError naming a character not in the vocabulary."""
@@ -232,38 +286,182 @@ class TextCorpus:
         return "".join(self.vocabulary[i] for i in ids.tolist())
 
 
-def _build(train_text: str, validation_text: str, config: TextTaskConfig, source: str, topics=()) -> TextCorpus:
-    """Vocabulary from both splits, ids, and the minimum-size check shared by every source."""
-    sizes = (len(train_text), len(validation_text))
-    if min(sizes) < config.min_split_chars:
+def _build(texts: tuple[str, str, str], config: TextTaskConfig, source: str, topics=((), ())) -> TextCorpus:
+    """Vocabulary from every split, ids, and the minimum-size check shared by every source.
+
+    Args:
+      texts: `(train, dev, test)` text.
+      topics: `(dev topic names, test topic names)`.
+    """
+    if min(map(len, texts)) < config.min_split_chars:
         raise ValueError(
-            f"{source} is too short: its splits have {sizes[0]} training and {sizes[1]} validation "
-            f"characters (validation_fraction={config.validation_fraction}), each needs at least "
-            f"seq_len + 1 = {config.min_split_chars}; use a longer text or a smaller seq_len"
+            f"{source} is too short: its splits have {len(texts[0])} training, {len(texts[1])} dev and "
+            f"{len(texts[2])} test characters (validation_fraction={config.validation_fraction}, test_fraction="
+            f"{config.test_fraction}), each needs at least seq_len + 1 = {config.min_split_chars}; use a longer "
+            f"text or a smaller seq_len"
         )
-    vocabulary = "".join(sorted(set(train_text) | set(validation_text)))
+    vocabulary = "".join(sorted(set().union(*map(set, texts))))
     index = {ch: i for i, ch in enumerate(vocabulary)}
     to_ids = lambda s: np.fromiter((index[ch] for ch in s), np.int32, len(s))
-    return TextCorpus(vocabulary, to_ids(train_text), to_ids(validation_text), source, tuple(topics))
+    return TextCorpus(vocabulary, *map(to_ids, texts), source, *map(tuple, topics))
 
 
 def split_topics(topics: dict[str, str], validation_fraction: float) -> tuple[list[str], list[str]]:
-    """Deterministic split of named documents: `(train_names, validation_names)`, each sorted.
+    """Deterministic split of named documents: `(train_names, held_names)`, each sorted.
 
-    Names are visited in `zlib.crc32` order; one joins validation while it still fits
-    under `validation_fraction` of all characters, so validation holds at most that share.
+    Names are visited in `zlib.crc32` order; one is held out while it still fits
+    under `validation_fraction` of all characters, so the held-out part holds at most
+    that share. It knows nothing of text shared between documents: the reference
+    corpus is split by `split_documents`, which groups documents that quote each other.
     """
-    budget = validation_fraction * sum(len(t) for t in topics.values())
-    held, used = [], 0
-    for name in sorted(topics, key=lambda n: (zlib.crc32(n.encode()), n)):
-        if used + len(topics[name]) <= budget:
-            held.append(name)
-            used += len(topics[name])
-    return sorted(set(topics) - set(held)), sorted(held)
+    train, held = _fill({name: [name] for name in topics}, {n: len(t) for n, t in topics.items()},
+                           (validation_fraction,))
+    return train, held
+
+
+def _fill(groups: dict[str, list[str]], sizes: dict[str, int], fractions) -> tuple[list[str], ...]:
+    """Whole groups, in `zlib.crc32` order of their key, into held-out parts under
+    `fractions` of all characters (the first part that still has room), else training.
+
+    Returns:
+      `(train_names, part_0_names, part_1_names, …)`, each sorted.
+    """
+    total = sum(sizes.values())
+    budgets, parts = [f * total for f in fractions], [[] for _ in fractions]
+    train = []
+    for key in sorted(groups, key=lambda k: (zlib.crc32(k.encode()), k)):
+        size = sum(sizes[n] for n in groups[key])
+        room = next((i for i, budget in enumerate(budgets) if size <= budget), None)
+        if room is None:
+            train += groups[key]
+        else:
+            budgets[room] -= size
+            parts[room] += groups[key]
+    return (sorted(train), *map(sorted, parts))
+
+
+def leak_free_groups(topics: dict[str, str], width: int = LEAK_WIDTH) -> list[list[str]]:
+    """Topics joined when they share a run of `width` characters, transitively.
+
+    Every window of `width` characters of every topic is hashed (`window_hashes`);
+    two topics holding one hash are joined (union-find), so a split that keeps each
+    group on one side has no shared window across sides.
+
+    Returns:
+      the groups, each a sorted list of names, ordered by their first name.
+    """
+    names = sorted(topics)
+    hashes = [np.unique(window_hashes(_code_points(topics[n]), width)) for n in names]
+    flat = np.concatenate(hashes)
+    owner = np.concatenate([np.full(h.size, i) for i, h in enumerate(hashes)])
+    order = np.argsort(flat, kind="stable")
+    flat, owner = flat[order], owner[order]
+    parent = list(range(len(names)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]  # path halving: the trees stay flat
+            i = parent[i]
+        return i
+
+    for i in np.flatnonzero(flat[1:] == flat[:-1]):  # one window in two topics (unique per topic)
+        a, b = root(int(owner[i])), root(int(owner[i + 1]))
+        parent[max(a, b)] = min(a, b)
+    groups: dict[int, list[str]] = {}
+    for i, name in enumerate(names):
+        groups.setdefault(root(i), []).append(name)
+    return sorted(groups.values())
+
+
+def split_documents(topics: dict[str, str], validation_fraction: float, test_fraction: float,
+                    width: int = LEAK_WIDTH) -> tuple[list[str], list[str], list[str]]:
+    """`(train_names, dev_names, test_names)`, each sorted: whole `leak_free_groups`,
+    visited in `zlib.crc32` order of their first name, go to test while they fit under
+    `test_fraction` of all characters, else to dev under `validation_fraction`, else
+    to training. No two splits share a window of `width` characters."""
+    groups = {group[0]: group for group in leak_free_groups(topics, width)}
+    train, test, dev = _fill(groups, {n: len(t) for n, t in topics.items()}, (test_fraction, validation_fraction))
+    return train, dev, test
+
+
+# ----------------------------------------------------------------- leaks between splits
+
+
+def _code_points(text) -> np.ndarray:
+    """A str as its code points, or integer ids as they are: int `(N,)`."""
+    if isinstance(text, str):
+        return np.frombuffer(text.encode("utf-32-le"), np.uint32)
+    ids = np.asarray(text)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"text must be a str or 1-D integer ids, got shape {ids.shape} dtype {ids.dtype}")
+    return ids
+
+
+def window_hashes(ids, width: int) -> np.ndarray:
+    """A 64-bit polynomial hash of every window of `width` consecutive symbols.
+
+    `hash(i) = Σ_k ids[i + k] · b^-k mod 2^64` with b odd (so invertible mod 2^64):
+    one cumulative sum and one product per window, all in wrapping uint64 arithmetic,
+    so the corpus is hashed in milliseconds. Two equal windows have equal hashes;
+    unequal windows collide with probability about 2^-64 per pair.
+
+    Args:
+      ids: int `(N,)`, or a str (its code points).
+      width: window length >= 1.
+
+    Returns:
+      uint64 `(max(N - width + 1, 0),)`, entry i the hash of `ids[i : i + width]`.
+
+    Raises:
+      ValueError: for width < 1 or ids that are not 1-D integers.
+    """
+    if isinstance(width, bool) or not isinstance(width, numbers.Integral) or width < 1:
+        raise ValueError(f"width must be an int >= 1, got {width!r}")
+    ids = _code_points(ids).astype(np.uint64)
+    n = ids.size - width + 1
+    if n <= 0:
+        return np.zeros(0, np.uint64)
+    base = 1_000_003
+    with np.errstate(over="ignore"):  # wrapping mod 2^64 is the arithmetic intended
+        inverse_powers = np.cumprod(np.full(ids.size, pow(base, -1, 2**64), np.uint64)) * np.uint64(base)  # b^-k
+        powers = np.cumprod(np.full(n, base, np.uint64)) * np.uint64(pow(base, -1, 2**64))  # b^i
+        prefix = np.concatenate([np.zeros(1, np.uint64), np.cumsum(ids * inverse_powers, dtype=np.uint64)])
+        return (prefix[width:] - prefix[:n]) * powers
+
+
+def verbatim_overlap(reference, other, width: int = LEAK_WIDTH) -> float:
+    """The share of `other`'s characters that lie inside a run of `width` characters
+    also found verbatim in `reference`: 0 for a split with nothing copied from the
+    other.
+
+    Every window of `reference` is hashed into a sorted table, every window of `other`
+    looked up in it; a character counts once if any matching window covers it.
+
+    Args:
+      reference, other: str, or int `(N,)` ids of one vocabulary (e.g. `corpus.train`
+        and `corpus.test`).
+      width: the shortest run that counts.
+
+    Returns:
+      a float in [0, 1] (0 when `other` is shorter than `width`).
+
+    Raises:
+      ValueError: for width < 1 or an input that is neither a str nor 1-D integer ids.
+    """
+    table = np.unique(window_hashes(reference, width))
+    probe = window_hashes(other, width)
+    size = _code_points(other).size
+    if probe.size == 0:
+        return 0.0
+    found = np.isin(probe, table, assume_unique=False)  # (size - width + 1,)
+    count = np.concatenate([[0], np.cumsum(found)])  # windows matched among starts < i
+    chars = np.arange(size)
+    first, last = np.clip(chars - width + 1, 0, found.size), np.clip(chars + 1, 0, found.size)
+    return float(np.mean(count[last] - count[first] > 0))  # a start in [c - width + 1, c] matched
 
 
 def reference_corpus(config: TextTaskConfig = TextTaskConfig()) -> TextCorpus:
-    """The Python Language Reference (`pydoc_data.topics`), split by topic.
+    """The Python Language Reference (`pydoc_data.topics`), split by `split_documents`.
 
     Raises:
       ValueError: if `config.seq_len` is too long for a split.
@@ -271,14 +469,15 @@ def reference_corpus(config: TextTaskConfig = TextTaskConfig()) -> TextCorpus:
     import sys
     from pydoc_data.topics import topics  # ships with CPython; imported here so `import jax_mha.lab.text` stays cheap
 
-    train_names, held = split_topics(topics, config.validation_fraction)
+    train, dev, test = split_documents(topics, config.validation_fraction, config.test_fraction)
     join = lambda names: "\n".join(topics[n] for n in names)
     source = f"{REFERENCE_SOURCE} (Python {sys.version.split()[0]})"
-    return _build(join(train_names), join(held), config, source, held)
+    return _build((join(train), join(dev), join(test)), config, source, (dev, test))
 
 
 def corpus_from_text(text: str, config: TextTaskConfig = TextTaskConfig(), *, source: str = "<string>") -> TextCorpus:
-    """A corpus from one string: the last `validation_fraction` of its characters is validation.
+    """A corpus from one string: its last `test_fraction` of characters is the test
+    split, the `validation_fraction` before it the dev split, the rest training.
 
     Raises:
       TypeError: if `text` is not a str.
@@ -288,9 +487,9 @@ def corpus_from_text(text: str, config: TextTaskConfig = TextTaskConfig(), *, so
         raise TypeError(f"text must be a str, got {type(text).__name__}")
     if not text:
         raise ValueError(f"{source} is empty")
-    num_validation = round(len(text) * config.validation_fraction)
-    cut = len(text) - num_validation
-    return _build(text[:cut], text[cut:], config, source)
+    test_cut = len(text) - round(len(text) * config.test_fraction)
+    dev_cut = test_cut - round(len(text) * config.validation_fraction)
+    return _build((text[:dev_cut], text[dev_cut:test_cut], text[test_cut:]), config, source)
 
 
 def corpus_from_file(path: str | Path, config: TextTaskConfig = TextTaskConfig()) -> TextCorpus:
@@ -378,7 +577,7 @@ def _window_starts(num_chars: int, seq_len: int) -> list[int]:
 
 
 def validation_batches(tokens, config: TextTaskConfig, batch_size: int) -> dict[str, jax.Array]:
-    """The whole validation split as a fixed stack of batches; every character scored once.
+    """A whole held-out split as a fixed stack of batches; every character scored once.
 
     Window k predicts characters `kT + 1 … kT + T` from the T before them (a fresh
     context every T characters, as in nanoGPT's evaluation). The last window is
@@ -387,7 +586,8 @@ def validation_batches(tokens, config: TextTaskConfig, batch_size: int) -> dict[
     every row is real text.
 
     Args:
-      tokens: int `(num_chars,)`, usually `corpus.validation`.
+      tokens: int `(num_chars,)`: `corpus.test` for a reported number, `corpus.dev`
+        while choosing.
       config: the task (`seq_len`).
       batch_size: B, rows per batch.
 
@@ -513,6 +713,9 @@ def ngram_bpc(train, validation, order: int, vocab_size: int) -> float:
     return float(-np.mean(np.log2(prob)))
 
 
-def ngram_baselines(corpus: TextCorpus, orders=(1, 2, 3, 4, 5)) -> dict[int, float]:
-    """`{n: ngram_bpc(corpus.train, corpus.validation, n)}`: the lines a model must pass."""
-    return {n: ngram_bpc(corpus.train, corpus.validation, n, corpus.vocab_size) for n in orders}
+def ngram_baselines(corpus: TextCorpus, orders=(1, 2, 3, 4, 5), split: str = "dev") -> dict[int, float]:
+    """`{n: ngram_bpc(corpus.train, corpus.split(split), n)}`: the lines a model must
+    pass, on the split its own bpc is measured on ("dev" while choosing, "test" beside
+    a reported number)."""
+    held = corpus.split(split)
+    return {n: ngram_bpc(corpus.train, held, n, corpus.vocab_size) for n in orders}

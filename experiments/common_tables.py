@@ -1,0 +1,214 @@
+"""The tables of the results pages, rendered from their data (the per-seed values a
+study writes as `artifact.json`, committed as docs/results/data/*.json).
+
+Shared by `experiments.report` (which regenerates the pages) and the studies that print
+the same tables in their own summary, so a page and the study's summary cannot differ.
+The kinds of data and their blocks are described in `experiments.report`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+from jax_mha.lab import stats
+
+DASH = "–"
+
+
+# ----------------------------------------------------------------- number formats
+
+
+def num(x: Any, digits: int, sign: bool = False) -> str:
+    """`x` to `digits` decimals with a typographic minus (the pages' style); "–" for None/NaN."""
+    if x is None or not math.isfinite(float(x)):
+        return DASH
+    text = f"{float(x):+.{digits}f}" if sign else f"{float(x):.{digits}f}"
+    return text.replace("-", "−")
+
+
+def grouped(x: Any) -> str:
+    """An integer with thousands separators; "–" for None/NaN."""
+    return DASH if x is None or not math.isfinite(float(x)) else f"{round(float(x)):,}"
+
+
+def interval(iv: stats.Interval, digits: int, sign: bool = False) -> str:
+    """'m [lo, hi]'; 'm' alone with one value (no spread), '–' with none."""
+    if iv.n == 0:
+        return DASH
+    if iv.n < 2:
+        return num(iv.mean, digits, sign)
+    return f"{num(iv.mean, digits, sign)} [{num(iv.low, digits, sign)}, {num(iv.high, digits, sign)}]"
+
+
+def mean_std_interval(values: Sequence[float | None], digits: int) -> str:
+    """'m ± s [lo, hi]' of per-seed values; 'm ± –' for one seed (no spread)."""
+    iv = stats.t_interval(values)
+    if iv.n == 0:
+        return DASH
+    spread = num(iv.std, digits) if iv.n > 1 else DASH
+    bounds = f" [{num(iv.low, digits - 1)}, {num(iv.high, digits - 1)}]" if iv.n > 1 else ""
+    return f"{num(iv.mean, digits)} ± {spread}{bounds}"
+
+
+def p_value(p: float) -> str:
+    """A p value to 2 significant digits ('<0.001' below that); "–" for NaN."""
+    if not math.isfinite(p):
+        return DASH
+    return "<0.001" if p < 0.001 else f"{p:#.2g}"  # "#": 0.040, not 0.04
+
+
+def table(header: Sequence[str], align: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table; `align` per column: 'l' or 'r'."""
+    rule = "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"
+    return "\n".join(["| " + " | ".join(header) + " |", rule] + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+
+
+def comparison_lines(family: dict[str, stats.Comparison], digits: int) -> str:
+    """One bullet per comparison: difference [95 % t], paired t test p, Holm-adjusted p."""
+    lines = [f"- {name}: {interval(c.difference, digits, sign=True)}, p = {p_value(c.p)}, Holm p = {p_value(c.p_holm)}"
+             for name, c in family.items()]
+    return "\n".join(lines)
+
+
+def sweep_family(per_seed: dict[int, Sequence[float | None]]) -> dict[str, stats.Comparison]:
+    """Seed-paired comparisons of every h against the fewest heads and of neighbours,
+    Holm-adjusted together (the family one page reports)."""
+    heads = sorted(per_seed)
+    pairs = [(h, heads[0]) for h in heads[1:]] + [(b, a) for a, b in zip(heads[1:], heads[2:])]
+    return stats.paired_comparisons({f"h = {a} − h = {b}": (per_seed[a], per_seed[b]) for a, b in pairs})
+
+
+# ----------------------------------------------------------------- kinds
+
+
+def _heads(data: dict) -> list[tuple[int, dict]]:
+    return sorted(((int(k), v) for k, v in data["heads"].items()), key=lambda kv: kv[0])
+
+
+def lm_sweep_table(data: dict) -> str:
+    """heads | head size | bpc mean ± std [95 % t] | per seed | gap | characters/seed | wall s | characters/s."""
+    rows, has_chars = [], any("characters_per_seed" in r for _, r in _heads(data))
+    for h, r in _heads(data):
+        gaps = r.get("gap")
+        gap = num(stats.mean_std(gaps)[0], 3, sign=True) if gaps is not None else num(r.get("gap_mean"), 3, sign=True)
+        row = [h, r["head_dim"], mean_std_interval(r["final_bpc"], 4), ", ".join(num(x, 4) for x in r["final_bpc"]), gap]
+        if has_chars:
+            row.append(grouped(r.get("characters_per_seed")))
+        rows.append(row + [grouped(r.get("wall_seconds")), grouped(r.get("tokens_per_second"))])
+    n = max(len(r["final_bpc"]) for _, r in _heads(data))
+    split = data.get("split", "test")
+    header = ["heads", "head size", f"{split} bpc, mean ± std [95 % t]", "per seed", "gap"]
+    header += ["characters/seed"] if has_chars else []
+    header += [f"wall s ({n} seeds)", "characters/s"]
+    return table(header, ["r", "r", "r", "l", "r"] + ["r"] * (len(header) - 5), rows)
+
+
+def lm_sweep_comparisons(data: dict) -> str:
+    family = sweep_family({h: r["final_bpc"] for h, r in _heads(data)})
+    return comparison_lines(family, 4)
+
+
+def recall_reference(data: dict) -> str:
+    """The lines a model must pass, measured on the task's generator."""
+    ref, task = data["reference"], data["task"]
+    return (f"Reference lines on the same generator ({ref['rows']:,} rows): chance {num(1 / task['num_values'], 3)}; "
+            f"always the most common value among the row's pairs {num(ref['value_mode'], 3)}; the elimination "
+            f"strategy (the most common value among pairs not yet asked) {num(ref['elimination'], 3)}; a lookup "
+            f"of only the key's first token {num(ref['one_token_a'], 3)}, only its second {num(ref['one_token_b'], 3)}; "
+            "the two-token lookup 1.")
+
+
+def recall_table(data: dict) -> str:
+    """heads | head dim | solved k/n [Wilson 95 %] | AUC [95 % t] | final accuracy [95 % t] | per-seed accuracy | wall s."""
+    rows, threshold = [], data["solved_accuracy"]
+    for h, r in _heads(data):
+        acc = r["final_accuracy"]
+        solved = sum(a is not None and a >= threshold for a in acc)
+        low, high = stats.wilson_interval(solved, len(acc))
+        rows.append([h, r["head_dim"], f"{solved}/{len(acc)} [{num(low, 2)}, {num(high, 2)}]",
+                     interval(stats.t_interval(r["auc_loss"]), 3), interval(stats.t_interval(acc), 3),
+                     ", ".join(num(a, 3) for a in acc), grouped(r.get("wall_seconds"))])
+    header = ["heads", "head dim", f"seeds solved (accuracy ≥ {threshold:g}) [Wilson 95 %]",
+              "area under held-out loss (nats) [95 % t]", "final recall accuracy [95 % t]", "per seed", "wall s"]
+    return table(header, ["r", "r", "r", "r", "r", "l", "r"], rows)
+
+
+def recall_comparisons(data: dict) -> str:
+    """AUC and final accuracy of every h against the fewest heads: one family of 2(k - 1)."""
+    heads = _heads(data)
+    base_h, base = heads[0]
+    family = {}
+    for h, r in heads[1:]:
+        family[f"AUC, h = {h} − h = {base_h}"] = (r["auc_loss"], base["auc_loss"])
+        family[f"accuracy, h = {h} − h = {base_h}"] = (r["final_accuracy"], base["final_accuracy"])
+    return comparison_lines(stats.paired_comparisons(family), 3)
+
+
+def lm_pruning_table(data: dict) -> str:
+    rows = []
+    for s in data["seeds"]:
+        total = s["total_heads"]
+        pair = lambda d, digits, suffix="": f"{num(d['importance'], digits, sign=bool(suffix))}{suffix} / " \
+                                            f"{num(d['oracle'], digits, sign=bool(suffix))}{suffix}"
+        rows.append([s["seed"], num(s["unpruned_bpc"], 4), num(s["all_off_bpc"], 3),
+                     f"{s['prunable']['importance']} of {total}", f"{s['prunable']['oracle']} of {total}",
+                     pair(s["first_rise_pct"], 1, " %"), pair(s["half_pruned_bpc"], 3), num(s["spearman"], 3)])
+    header = ["seed", "unpruned bpc", "every head off", "heads removable at ≤ 1 %, importance order",
+              "same, oracle order", "bpc rise from the first head removed, importance / oracle",
+              "bpc with half of the heads removed, importance / oracle", "Spearman(importance, oracle)"]
+    return table(header, ["r"] * len(header), rows)
+
+
+def lm_pruning_spearman(data: dict) -> str:
+    values = [s["spearman"] for s in data["seeds"]]
+    iv = stats.t_interval(values)
+    return (f"Spearman over the {iv.n} seeds: {num(iv.mean, 3)} ± {num(iv.std, 3) if iv.n > 1 else DASH}, "
+            f"95 % t interval [{num(iv.low, 3)}, {num(iv.high, 3)}].")
+
+
+def lm_pruning_induction(data: dict) -> str:
+    rows = []
+    for s in data["seeds"]:
+        arms = s["induction"]
+        cell = lambda key: " / ".join(num(arms[a][key], 3) for a in ("none", "top", "bottom"))
+        rows.append([s["seed"], ", ".join(f"({l}, {h})" for l, h in arms["top"]["heads"]),
+                     cell("second_copy_loss"), cell("late_loss"), cell("early_loss")])
+    return table(["seed", "top-2 heads", "second copy", "late positions", "early positions"], ["r", "l", "l", "l", "l"], rows)
+
+
+def ngram_table(data: dict) -> str:
+    orders = sorted(data["bpc"], key=int)
+    return table(["n", *orders], ["l"] + ["r"] * len(orders),
+                 [[f"{data.get('split', 'test')} bpc", *(num(data["bpc"][n], 3) for n in orders)]])
+
+
+def literal_block(data: dict, block: str) -> str:
+    t = data["tables"][block]
+    return table(t["header"], t["align"], t["rows"])
+
+
+RENDERERS: dict[str, dict[str, Callable[[dict], str]]] = {
+    "lm_sweep": {"table": lm_sweep_table, "comparisons": lm_sweep_comparisons},
+    "recall": {"reference": recall_reference, "table": recall_table, "comparisons": recall_comparisons},
+    "lm_pruning": {"table": lm_pruning_table, "spearman": lm_pruning_spearman, "induction": lm_pruning_induction},
+    "ngram": {"table": ngram_table},
+}
+
+
+def render(data: dict, block: str) -> str:
+    """The Markdown of one block of one data file.
+
+    Raises:
+      ValueError: for an unknown kind or a block the kind does not have.
+    """
+    kind = data.get("kind")
+    if kind == "literal":
+        if block not in data.get("tables", {}):
+            raise ValueError(f"literal data has no table {block!r}; it has {sorted(data.get('tables', {}))}")
+        return literal_block(data, block)
+    if kind not in RENDERERS:
+        raise ValueError(f"unknown data kind {kind!r}; known: {sorted(RENDERERS) + ['literal']}")
+    if block not in RENDERERS[kind]:
+        raise ValueError(f"a {kind} file has no block {block!r}; it has {sorted(RENDERERS[kind])}")
+    return RENDERERS[kind][block](data)

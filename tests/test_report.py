@@ -1,0 +1,82 @@
+"""`python -m experiments.report`: the results pages agree with their committed data, and
+a page that disagrees, a missing or unused data file is named."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from experiments import report
+from jax_mha.lab import stats
+
+
+def test_committed_pages_agree_with_their_data(capsys):
+    assert report.main(["--check"]) == 0, capsys.readouterr().err
+    assert "every page agrees" in capsys.readouterr().out
+
+
+SWEEP = {"kind": "lm_sweep", "split": "test",
+         "heads": {"1": {"head_dim": 8, "final_bpc": [2.0, 2.2, 2.4], "gap": [0.1, 0.2, 0.3], "wall_seconds": 12.4,
+                         "tokens_per_second": None},
+                   "2": {"head_dim": 4, "final_bpc": [1.9, 2.05, 2.35], "gap_mean": 0.25, "wall_seconds": 13,
+                         "tokens_per_second": 1234.5}}}
+
+
+def test_sweep_table_is_computed_from_the_seeds():
+    text = report.render(SWEEP, "table")
+    half = stats.t_quantile(0.975, 2) * 0.2 / math.sqrt(3)  # values 2.0, 2.2, 2.4: mean 2.2, sample std 0.2
+    assert f"| 1 | 8 | 2.2000 ± 0.2000 [{2.2 - half:.3f}, {2.2 + half:.3f}] | 2.0000, 2.2000, 2.4000 | +0.200 |" in text
+    assert "| 12 | – |" in text and "| +0.250 |" in text and "1,234" in text  # a null is a dash; gap as stored
+    (line,) = report.render(SWEEP, "comparisons").splitlines()  # two head counts: one comparison, Holm = raw
+    t, p = stats.paired_t_test([1.9, 2.05, 2.35], [2.0, 2.2, 2.4])
+    assert line.startswith("- h = 2 − h = 1: −0.1000 [") and f"p = {p:#.2g}, Holm p = {p:#.2g}" in line
+
+
+def test_a_page_that_disagrees_is_named_and_regenerated(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "sweep.json").write_text(json.dumps(SWEEP), encoding="utf-8")
+    page = tmp_path / "page.md"
+    page.write_text("Intro.\n\n<!-- report: sweep#table -->\n| stale |\n<!-- /report -->\n\nEnd.\n", encoding="utf-8")
+    problems = report.run(tmp_path, check=True)
+    assert problems == ["page.md: disagrees with its data in sweep#table"]
+    assert "| stale |" in page.read_text(encoding="utf-8")  # --check changes nothing
+    assert report.run(tmp_path) == []
+    text = page.read_text(encoding="utf-8")
+    assert text.startswith("Intro.\n\n<!-- report: sweep#table -->\n| heads |") and text.endswith("<!-- /report -->\n\nEnd.\n")
+    assert report.run(tmp_path, check=True) == []
+
+
+def test_missing_unused_and_unknown_are_problems(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "orphan.json").write_text(json.dumps(SWEEP), encoding="utf-8")
+    (tmp_path / "data" / "sweep.json").write_text(json.dumps(SWEEP), encoding="utf-8")
+    (tmp_path / "page.md").write_text("<!-- report: gone#table -->\nx\n<!-- /report -->\n"
+                                      "<!-- report: sweep#plot -->\ny\n<!-- /report -->\n", encoding="utf-8")
+    problems = report.run(tmp_path, check=True)
+    assert any(p.startswith("page.md: gone#table: FileNotFoundError") for p in problems)
+    assert any("sweep#plot" in p and "has no block 'plot'" in p for p in problems)
+    assert "data/orphan.json: no page shows it" in problems
+    assert report.main(["--check", "--pages", str(tmp_path)]) == 1
+
+
+def test_merge_orders_the_seeds_and_refuses_mixed_kinds(tmp_path):
+    for seed in (2, 0):
+        (tmp_path / f"s{seed}.json").write_text(json.dumps({"kind": "lm_pruning", "seeds": [{"seed": seed}]}))
+    merged = report.merge([tmp_path / "s2.json", tmp_path / "s0.json"])
+    assert [s["seed"] for s in merged["seeds"]] == [0, 2] and merged["kind"] == "lm_pruning"
+    (tmp_path / "other.json").write_text(json.dumps(SWEEP))
+    with pytest.raises(ValueError, match="one kind"):
+        report.merge([tmp_path / "s0.json", tmp_path / "other.json"])
+
+
+def test_recall_table_counts_solved_seeds_with_wilson():
+    data = {"kind": "recall", "solved_accuracy": 0.9, "task": {"num_values": 8},
+            "reference": {"rows": 64, "value_mode": 0.3, "elimination": 0.29, "one_token_a": 0.65, "one_token_b": 0.65},
+            "heads": {"1": {"head_dim": 32, "auc_loss": [1.0, 1.1, 0.9, 1.0], "final_accuracy": [0.95, 0.5, 0.91, 0.4]},
+                      "2": {"head_dim": 16, "auc_loss": [0.8, 0.9, 0.7, 0.8], "final_accuracy": [0.99, 0.97, 0.92, 0.3]}}}
+    low, high = stats.wilson_interval(3, 4)
+    assert f"| 3/4 [{low:.2f}, {high:.2f}] |" in report.render(data, "table")
+    assert "elimination" in report.render(data, "reference") and "0.125" in report.render(data, "reference")
+    assert report.render(data, "comparisons").count("Holm p = ") == 2
