@@ -335,7 +335,7 @@ def attend(
     q, k, v, *, mask=None, bias=None, is_causal=False, local_window_size=None, q_lengths=None,
     kv_lengths=None, segment_ids=None, positions=None, rope_base=None, cache: Cache | None = None, bias_kv=None,
     add_zero_attn=False, head_mask=None, need_weights=False, attention_fn=None, score_mod=None, mask_mod=None,
-    logits_soft_cap=None, **core_options,
+    logits_soft_cap=None, sinks=None, **core_options,
 ):
     """Everything between the projections and the output projection.
 
@@ -359,8 +359,8 @@ def attend(
         `attention_fn(q, k, v, mask=, bias=, is_causal=, local_window_size=,
         q_lengths=, kv_lengths=, q_segment_ids=, kv_segment_ids=, return_weights=,
         **core_options)` and the three below when given.
-      score_mod, mask_mod, logits_soft_cap: passed on to `attention_fn` only when
-        not None (so an `attention_fn` without them keeps working).
+      score_mod, mask_mod, logits_soft_cap, sinks: passed on to `attention_fn` only
+        when not None (so an `attention_fn` without them keeps working).
       **core_options: dropout_rate, dropout_rng, deterministic, implementation.
 
     Returns:
@@ -389,7 +389,7 @@ def attend(
     if start is not None:
         offset = start + extra  # the extra keys go first, before position 0
     mods = {name: x for name, x in (("score_mod", score_mod), ("mask_mod", mask_mod),
-                                     ("logits_soft_cap", logits_soft_cap)) if x is not None}
+                                     ("logits_soft_cap", logits_soft_cap), ("sinks", sinks)) if x is not None}
     keywords = dict(mask=mask, bias=bias, is_causal=is_causal, local_window_size=local_window_size,
                     q_lengths=q_lengths, kv_lengths=kv_lengths, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
     result = _call_core(q, k, v, attention_fn=attention_fn, offset=offset, start=start, need_weights=need_weights,

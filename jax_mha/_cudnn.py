@@ -41,6 +41,10 @@ def refusal(vis: Visibility, call: Call) -> str | None:
         return f"implementation='cudnn' cannot express score_mod; {use}"
     if vis.logits_soft_cap is not None:
         return f"implementation='cudnn' cannot express logits_soft_cap (cuDNN has no soft-cap); {use}"
+    if vis.sinks is not None:
+        return f"implementation='cudnn' cannot express sinks (attention sinks); {use}"
+    if call.return_residual:
+        return f"implementation='cudnn' does not return the log-sum-exp here (return_residual=True); {use}"
     if vis.q_offset is not None or vis.q_start is not None:
         return f"implementation='cudnn' cannot take a query offset (decoding from a cache index); {use}"
     return None

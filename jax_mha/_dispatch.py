@@ -154,21 +154,22 @@ def finish(out, weights, empty, poisoned, v, bad_kv, q_lengths, empty_rows):
 
 
 def _zeros(q, k, v, return_weights):
-    """`(out, weights, empty, touched)` for N == 0, S == 0 or an empty batch."""
+    """`(out, weights, lse)` for N == 0, S == 0 or an empty batch."""
     batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3])
     out = jnp.zeros(batch + q.shape[-3:-1] + v.shape[-1:], _masking.compute_dtype(q.dtype))
     weights = jnp.zeros(batch + q.shape[-3:-1] + (k.shape[-2],), out.dtype) if return_weights else None
-    no_rows = jnp.zeros(out.shape[:-1], bool)
-    return out, weights, no_rows, no_rows
+    return out, weights, jnp.full(out.shape[:-1], -jnp.inf, jnp.float32)
 
 
 def _run_path(path, q, k, v, bad_kv, vis, call, *, scale, dropout_rate, dropout_rng, blocks):
-    """`(out, weights or None, empty, touched)` from the chosen path, on finite inputs."""
-    if call.return_weights or call.dropout or (path == "xla" and whole_scores_fit(q, k)):
-        out, weights, empty, touched = dense_attention(q, k, v, bad_kv, vis, scale=scale,
-                                                       dropout_rate=dropout_rate if call.dropout else 0.0,
-                                                       dropout_rng=dropout_rng)
-        return out, weights if call.return_weights else None, empty, touched
+    """`(out, weights or None, lse or None, empty, touched)` from the chosen path, on
+    finite inputs; lse (when the call asks for it) -inf on rows with nothing to see."""
+    if call.return_weights or call.dropout or (path == "xla" and whole_scores_fit(q, k)) or (
+            path == "xla" and vis.sinks is not None):
+        out, weights, lse, empty, touched = dense_attention(
+            q, k, v, bad_kv, vis, scale=scale, dropout_rate=dropout_rate if call.dropout else 0.0,
+            dropout_rng=dropout_rng, return_lse=call.return_residual)
+        return out, weights if call.return_weights else None, lse, empty, touched
     if path in ("cudnn", "pallas_tpu", "pallas_gpu"):
         if path == "cudnn":
             out = _cudnn.cudnn_attention(q, k, v, vis, scale=scale)
@@ -177,11 +178,21 @@ def _run_path(path, q, k, v, bad_kv, vis, call, *, scale, dropout_rate, dropout_
             out = kernel_module(path).run(q, k, v, vis, scale=scale, interpret=interpret)
         empty, touched = _masking.dense_rows(vis, bad_kv, q.shape[-3])
         out = jnp.where(empty[..., None], 0.0, out.astype(_masking.compute_dtype(q.dtype)))  # kernels average v there
-        return out, None, empty, touched
+        return out, None, None, empty, touched
     q_block, k_block = blocks if path == "blockwise" else (None, None)  # "xla" past the limit: default blocks
     out, lse, touched = blockwise.run_blockwise(q, k, v, vis, query_block_size=q_block, key_block_size=k_block,
                                                 scale=scale, bad_kv=bad_kv)
-    return out, None, lse == jnp.inf, touched
+    empty = lse == jnp.inf  # the engine's mark of a row with no visible key
+    return out, None, jnp.where(empty, -jnp.inf, lse), empty, touched
+
+
+def _finish_lse(lse, poisoned, q_lengths, n):
+    """The log-sum-exp, float32: NaN on poisoned rows, -inf past `q_lengths`."""
+    lse = jnp.where(poisoned, jnp.nan, lse.astype(jnp.float32))
+    if q_lengths is not None:
+        lengths = q_lengths[..., 0]  # (B…|1, 1, 1)
+        lse = jnp.where(jax.lax.broadcast_to_rank(jnp.arange(n), lengths.ndim) < lengths, lse, -jnp.inf)
+    return lse
 
 
 def run(path, q, k, v, vis, call, *, scale, dropout_rate=0.0, dropout_rng=None, blocks=(None, None),
@@ -190,16 +201,25 @@ def run(path, q, k, v, vis, call, *, scale, dropout_rate=0.0, dropout_rng=None, 
     `sanitize` and `finish`.
 
     Returns:
-      `out (B…, H, N, Dv)`, or `(out, weights (B…, H, N, S))` when
-      `call.return_weights`, in q's dtype.
+      `out (B…, H, N, Dv)` in q's dtype; with `call.return_weights` also the weights
+      `(B…, H, N, S)`, with `call.return_residual` also `lse (B…, H, N)` float32, in
+      that order: `out`, `(out, weights)`, `(out, lse)` or `(out, weights, lse)`.
     """
     dtype = q.dtype
     batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3])
     if q.shape[-2] == 0 or k.shape[-2] == 0 or 0 in batch:  # zeros under either empty-row policy
-        out, weights, _, _ = _zeros(q, k, v, call.return_weights)
-        return (out.astype(dtype), weights.astype(dtype)) if call.return_weights else out.astype(dtype)
+        out, weights, lse = _zeros(q, k, v, call.return_weights)
+        return _result(call, out.astype(dtype), weights, lse)
     q, k, v, bad_q, bad_kv = sanitize(q, k, v)
-    out, weights, empty, touched = _run_path(path, q, k, v, bad_kv, vis, call, scale=scale,
-                                             dropout_rate=dropout_rate, dropout_rng=dropout_rng, blocks=blocks)
-    out, weights = finish(out, weights, empty, touched | bad_q, v, bad_kv, vis.q_lengths, empty_rows)
-    return (out.astype(dtype), weights.astype(dtype)) if call.return_weights else out.astype(dtype)
+    out, weights, lse, empty, touched = _run_path(path, q, k, v, bad_kv, vis, call, scale=scale,
+                                                  dropout_rate=dropout_rate, dropout_rng=dropout_rng, blocks=blocks)
+    poisoned = touched | bad_q
+    out, weights = finish(out, weights, empty, poisoned, v, bad_kv, vis.q_lengths, empty_rows)
+    if lse is not None:
+        lse = _finish_lse(lse, poisoned & ~empty, vis.q_lengths, q.shape[-2])
+    return _result(call, out.astype(dtype), None if weights is None else weights.astype(dtype), lse)
+
+
+def _result(call, out, weights, lse):
+    parts = (out,) + ((weights,) if call.return_weights else ()) + ((lse,) if call.return_residual else ())
+    return parts[0] if len(parts) == 1 else parts

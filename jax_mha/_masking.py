@@ -56,7 +56,7 @@ _STATIC = ("n", "s", "is_causal", "window", "score_mod", "mask_mod", "logits_sof
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["mask", "bias", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids", "q_offset",
-                 "q_start"],
+                 "q_start", "sinks"],
     meta_fields=list(_STATIC),
 )
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +81,10 @@ class Visibility:
       q_start: the `q_idx` the mods see for query row 0 (an int or a traced int32
         scalar; None means 0). Decoding sets it to the cache index, so that the mods
         see the positions of the full pass; ring attention to the device's first row.
+      sinks: float `(H,)`, one logit per query head for a virtual key whose value is
+        zero (attention sinks; `sinks = 0` is the "off-by-one" softmax), in the space
+        of the scaled logits after the mods; or None. It takes part in every row's
+        softmax denominator and is never masked.
       score_mod: `score_mod(score, batch, head, q_idx, kv_idx) -> score`, or None.
       mask_mod: `mask_mod(batch, head, q_idx, kv_idx) -> bool`, or None.
       logits_soft_cap: c > 0 (a Python float) or None.
@@ -103,6 +107,7 @@ class Visibility:
     kv_segment_ids: jax.Array | None = None
     q_offset: int | jax.Array | None = None
     q_start: int | jax.Array | None = None
+    sinks: jax.Array | None = None
     score_mod: object = None
     mask_mod: object = None
     logits_soft_cap: float | None = None
@@ -252,6 +257,7 @@ class Call(NamedTuple):
       dropout: dropout on the weights is active.
       empty_rows: `"zero"` or `"uniform"`.
       platform: `"cpu"`, `"gpu"` or `"tpu"`, where the call runs.
+      return_residual: the caller needs each row's log-sum-exp `(B…, H, N)`.
     """
 
     q: object
@@ -261,6 +267,7 @@ class Call(NamedTuple):
     dropout: bool = False
     empty_rows: str = "zero"
     platform: str = "cpu"
+    return_residual: bool = False
 
 
 def dense_heads(vis: Visibility, rank: int, batch: tuple | None = None, heads: int | None = None):

@@ -60,6 +60,10 @@ def common_refusal(path: str, vis: _masking.Visibility, call: _masking.Call, *, 
         return f"{name} cannot express logits_soft_cap={vis.logits_soft_cap!r} (the kernel has no soft-cap); {_USE}"
     if vis.q_offset is not None and is_traced(vis.q_offset):
         return f"{name} builds its causal/window pattern at trace time: a traced query offset (decoding) is not static; {_USE}"
+    if vis.sinks is not None and "sinks" not in takes:
+        return f"{name} cannot express sinks (attention sinks); {_USE}"
+    if call.return_residual:
+        return f"{name} does not return the log-sum-exp here (return_residual=True); {_USE}"
     return None
 
 

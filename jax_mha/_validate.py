@@ -242,9 +242,25 @@ def check_offset(name: str, x):
     return x
 
 
+def check_sinks(sinks, num_heads: int):
+    """Attention sinks: None, or float `(H,)`, one logit per query head.
+
+    Raises:
+      TypeError: for a non-floating array. ValueError: for a shape other than `(H,)`.
+    """
+    if sinks is None:
+        return None
+    sinks = jnp.asarray(sinks)
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise DTypeError(f"sinks must be floating (one logit per head), got dtype {sinks.dtype}")
+    if sinks.shape != (num_heads,):
+        raise ValueError(f"sinks must have shape (H,) = ({num_heads},), one logit per query head, got {sinks.shape}")
+    return sinks
+
+
 def describe(q, k, v, mask=None, bias=None, *, is_causal=False, local_window_size=None, q_lengths=None,
              kv_lengths=None, q_segment_ids=None, kv_segment_ids=None, score_mod=None, mask_mod=None,
-             logits_soft_cap=None, q_offset=None, q_start=None) -> _masking.Visibility:
+             logits_soft_cap=None, sinks=None, q_offset=None, q_start=None) -> _masking.Visibility:
     """Every argument of `attention` that says who may attend, validated, as the one
     description (`_masking.Visibility`) every path reads.
 
@@ -273,7 +289,7 @@ def describe(q, k, v, mask=None, bias=None, *, is_causal=False, local_window_siz
         q_lengths=_masking.lengths_at_rank(check_lengths("q_lengths", q_lengths, batch), rank),
         kv_lengths=_masking.lengths_at_rank(check_lengths("kv_lengths", kv_lengths, batch), rank),
         q_segment_ids=q_ids, kv_segment_ids=kv_ids, q_offset=check_offset("q_offset", q_offset),
-        q_start=check_offset("q_start", q_start), score_mod=score_mod, mask_mod=mask_mod, logits_soft_cap=cap,
+        q_start=check_offset("q_start", q_start), sinks=check_sinks(sinks, q.shape[-3]), score_mod=score_mod, mask_mod=mask_mod, logits_soft_cap=cap,
         batch_shape=tuple(batch), num_heads=q.shape[-3],
         segments_shared=q_segment_ids is not None and (kv_segment_ids is None or kv_segment_ids is q_segment_ids),
     )

@@ -234,10 +234,12 @@ def attention(
     score_mod=None,
     mask_mod=None,
     logits_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     deterministic: bool = True,
     return_weights: bool = False,
+    return_residual: bool = False,
     implementation: str | None = "xla",
     query_block_size: int | None = None,
     key_block_size: int | None = None,
@@ -305,6 +307,11 @@ def attention(
         values gets the per-block test only (it visits every block of the band).
       logits_soft_cap: `c > 0`: logits become `c · tanh(logits / c)` (Gemma 2), after
         `score_mod`, before masking. A static number.
+      sinks: float `(H,)`, one logit per query head for a virtual key whose value
+        is zero (attention sinks, as gpt-oss; `sinks = 0` is the "off-by-one"
+        softmax), in the space of the logits after the mods: each row's softmax
+        denominator gains `exp(sinks[h])`, so its weights sum to less than one.
+        Never masked; gradients reach it. None: no sink.
       empty_rows: what a query with no visible key outputs: `"zero"` (default; zeros
         in the output, the weights and every gradient) or `"uniform"` (the mean of all
         S values, weights 1/S: what flax and jax.nn return).
@@ -313,6 +320,12 @@ def attention(
       dropout_rng: PRNG key for the dropout.
       deterministic: disables dropout.
       return_weights: also return the weights (after dropout, as applied to `v`).
+      return_residual: also return each row's log-sum-exp `lse (B…, H, N)`,
+        float32 (jax.nn's name): the natural log of the softmax denominator, the
+        sink's term included; -inf on a row with no visible key (and no sink), NaN
+        on a row that sees a non-finite input, -inf past `q_lengths`.
+        Differentiable. Parts over disjoint keys merge exactly with
+        `merge_attentions`.
       implementation: `"xla"` (the whole scores built and differentiated as written,
         as jax.nn's "xla"; the blockwise engine once they would pass
         `WHOLE_SCORES_MAX_BYTES`), `"blockwise"` (memory linear in N; skips blocks that
@@ -333,9 +346,11 @@ def attention(
         before the heads; masks, biases and the weights keep `(B…, H, N, S)`).
 
     Returns:
-      `out (B…, H, N, Dv)` (`(B…, N, H, Dv)` with `layout="BNHD"`) in `q`'s dtype, or
-      `(out, weights (B…, H, N, S))` when `return_weights=True`. N == 0 or S == 0 gives zeros of that shape. A row that
-      may attend to a NaN or infinite input is NaN; no other row is touched by it.
+      `out (B…, H, N, Dv)` (`(B…, N, H, Dv)` with `layout="BNHD"`) in `q`'s dtype;
+      `(out, weights (B…, H, N, S))` with `return_weights=True`, `(out, lse)` with
+      `return_residual=True`, `(out, weights, lse)` with both. N == 0 or S == 0
+      gives zeros of that shape. A row that may attend to a NaN or infinite input is
+      NaN; no other row is touched by it.
 
     Raises:
       TypeError: for integer, complex or mixed dtypes, a non-boolean mask, a
@@ -353,16 +368,16 @@ def attention(
     vis = describe(q, k, v, mask, bias, is_causal=is_causal, local_window_size=local_window_size,
                    q_lengths=q_lengths, kv_lengths=kv_lengths, q_segment_ids=q_segment_ids,
                    kv_segment_ids=kv_segment_ids, score_mod=score_mod, mask_mod=mask_mod,
-                   logits_soft_cap=logits_soft_cap)
+                   logits_soft_cap=logits_soft_cap, sinks=sinks)
     result = attention_from_description(
         q, k, v, vis, scale=scale, empty_rows=empty_rows, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-        deterministic=deterministic, return_weights=return_weights, implementation=implementation,
-        query_block_size=query_block_size, key_block_size=key_block_size,
+        deterministic=deterministic, return_weights=return_weights, return_residual=return_residual,
+        implementation=implementation, query_block_size=query_block_size, key_block_size=key_block_size,
     )
     if layout == "BHND":
         return result
-    if return_weights:
-        return jnp.swapaxes(result[0], -3, -2), result[1]
+    if return_weights or return_residual:
+        return (jnp.swapaxes(result[0], -3, -2), *result[1:])
     return jnp.swapaxes(result, -3, -2)
 
 
@@ -377,12 +392,14 @@ def _block_sizes(query_block_size, key_block_size) -> tuple[int | None, int | No
 
 def attention_from_description(q, k, v, vis: _masking.Visibility, *, scale=None, empty_rows="zero",
                                dropout_rate=0.0, dropout_rng=None, deterministic=True, return_weights=False,
-                               implementation="xla", query_block_size=None, key_block_size=None):
+                               return_residual=False, implementation="xla", query_block_size=None,
+                               key_block_size=None):
     """`attention` for a description already built (`_validate.describe`): what
     decoding calls with the cache index as the query offset. Arguments as `attention`."""
     scale = check_options(scale, dropout_rate, dropout_rng, deterministic, empty_rows, vis.is_causal, q.shape[-1])
     dropout = dropout_rate > 0.0 and not deterministic
-    call = _masking.Call(q, k, v, bool(return_weights), dropout, empty_rows, _dispatch.platform())
+    call = _masking.Call(q, k, v, bool(return_weights), dropout, empty_rows, _dispatch.platform(),
+                         bool(return_residual))
     path = _dispatch.choose(vis, call, implementation)
     blocks = _block_sizes(query_block_size, key_block_size)
     return _dispatch.run(path, q, k, v, vis, call, scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
@@ -412,6 +429,51 @@ def resolve_implementation(q, k, v, vis: _masking.Visibility | None = None, *, i
     return _dispatch.choose(vis, call, implementation)
 
 
+def merge_attentions(parts) -> tuple[jax.Array, jax.Array]:
+    """Attention over a union of disjoint key sets, from the attention over each.
+
+    `attention(q, k, v, return_residual=True)` over keys split into disjoint sets
+    (split-KV decoding, chunked prefill, context parallelism by hand) gives one
+    `(out_i, lse_i)` per set; their union's attention is
+    `out = Σ_i exp(lse_i - lse) out_i` with `lse = log Σ_i exp(lse_i)`, exactly (to
+    rounding). A part with no visible key (`lse_i = -inf`) contributes nothing;
+    if every part is empty the row is zeros with lse -inf. Sinks belong to one
+    part only (each part's lse counts its sink).
+
+    Args:
+      parts: a non-empty sequence of `(out (B…, H, N, Dv), lse (B…, H, N))`, each
+        part's arrays of one shape.
+
+    Returns:
+      `(out (B…, H, N, Dv) in the parts' dtype, lse (B…, H, N) float32)`.
+      Differentiable.
+
+    Raises:
+      ValueError: for no parts, a part that is not an `(out, lse)` pair, or shapes
+        that differ.
+    """
+    parts = list(parts)
+    if not parts:
+        raise ValueError("merge_attentions needs at least one (out, lse) part, got none")
+    for i, part in enumerate(parts):
+        if not isinstance(part, (tuple, list)) or len(part) != 2:
+            raise ValueError(f"part {i} of merge_attentions must be an (out, lse) pair, got {type(part).__name__}")
+        out, lse = jnp.asarray(part[0]), jnp.asarray(part[1])
+        if out.shape[:-1] != lse.shape or out.shape != jnp.shape(parts[0][0]):
+            raise ValueError(f"part {i}: out {out.shape} and lse {lse.shape} must be (B…, H, N, Dv) and (B…, H, N), "
+                             f"the same for every part (part 0 out {jnp.shape(parts[0][0])})")
+    outs = jnp.stack([jnp.asarray(o).astype(jnp.float32) for o, _ in parts])  # (P, B…, H, N, Dv)
+    lses = jnp.stack([jnp.asarray(x).astype(jnp.float32) for _, x in parts])  # (P, B…, H, N)
+    top = jax.lax.stop_gradient(jnp.max(lses, axis=0))
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    scale = jnp.exp(lses - top[None])  # (P, B…, H, N); 0 for an empty part
+    total = jnp.sum(scale, axis=0)
+    seen = total > 0
+    out = jnp.sum(scale[..., None] * outs, axis=0) / jnp.where(seen, total, 1.0)[..., None]
+    lse = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+    return out.astype(jnp.asarray(parts[0][0]).dtype), lse
+
+
 def blockwise_attention(q, k, v, mask=None, bias=None, *, query_block_size=None, key_block_size=None, **kwargs):
     """`attention(..., implementation="blockwise")`: the memory-efficient path.
 
@@ -436,6 +498,7 @@ def blockwise_attention(q, k, v, mask=None, bias=None, *, query_block_size=None,
 
 __all__ = [
     "EMPTY_ROWS", "IMPLEMENTATIONS", "WHOLE_SCORES_MAX_BYTES", "DTypeError", "attention", "attention_entropy",
-    "blockwise_attention", "causal_mask", "combine_heads", "lengths_mask", "padding_mask", "resolve_implementation",
+    "blockwise_attention", "causal_mask", "combine_heads", "lengths_mask", "merge_attentions", "padding_mask",
+    "resolve_implementation",
     "rotary_embedding", "split_heads", "whole_scores_fit",
 ]

@@ -116,6 +116,8 @@ class MultiHeadAttention(nn.Module):
       sow_weights: always sow the weights into "intermediates" (see `__call__`).
       add_bias_kv: PyTorch's: a learned key and value every query also attends to.
       add_zero_attn: PyTorch's: a zero key and value every query also attends to.
+      sinks: attention sinks (gpt-oss): a parameter `sinks (H,)`, zeros at init, one
+        logit per head for a virtual key of value zero (see `jax_mha.attention`).
       attention_fn: flax's hook: a callable with `jax_mha.attention`'s signature,
         called instead of it (default None: `jax_mha.attention`). It receives the heads
         `q (B…, H, N, D)`, `k, v (B…, K, S, D)` after RoPE (and the cache step) and
@@ -151,6 +153,7 @@ class MultiHeadAttention(nn.Module):
     add_bias_kv: bool = False
     add_zero_attn: bool = False
     attention_fn: Callable | None = None
+    sinks: bool = False
 
     def __post_init__(self):
         _attend.check_dropout_rate(self.dropout_rate)
@@ -185,7 +188,7 @@ class MultiHeadAttention(nn.Module):
         have = set(flatten_dict(params))
         want = _attention_parameters({"qkv_bias": self.qkv_bias, "out_bias": self.out_bias,
                                       "normalize_qk": self.normalize_qk, "add_bias_kv": self.add_bias_kv,
-                                      "sinks": getattr(self, "sinks", False)})  # read once the field exists
+                                      "sinks": self.sinks})
         missing = set() if self.is_mutable_collection("params") else want - have  # mutable: flax may create them
         problem = _placement_problem(have - want, missing)
         if problem:
@@ -329,6 +332,7 @@ class MultiHeadAttention(nn.Module):
             head_mask=head_mask, need_weights=return_weights or sow, dropout_rate=self.dropout_rate,
             dropout_rng=dropout_rng, deterministic=deterministic, implementation=self.implementation,
             attention_fn=self.attention_fn, score_mod=score_mod, mask_mod=mask_mod, logits_soft_cap=logits_soft_cap,
+            sinks=self.param("sinks", nn.initializers.zeros, (self.num_heads,), self.param_dtype) if self.sinks else None,
         )
         if cache is not None:
             for name, x in zip(("cached_key", "cached_value", "cache_index", "cached_segment_ids"), cache):

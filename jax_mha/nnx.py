@@ -63,7 +63,7 @@ class MultiHeadAttention(nnx.Module):
     option). `num_kv_heads`, `out_features`, `qkv_bias`, `out_bias`, `dropout_rate`,
     `dtype`, `param_dtype`, `precision`, `kernel_init`, `bias_init`, `out_kernel_init`,
     `out_bias_init`, `implementation`, `decode`, `normalize_qk`, `rope`, `rope_base`,
-    `sow_weights`, `add_bias_kv`, `add_zero_attn` and `attention_fn` (flax's hook: a
+    `sow_weights`, `add_bias_kv`, `add_zero_attn`, `sinks` and `attention_fn` (flax's hook: a
     callable with `jax_mha.attention`'s signature, called instead of it) are as in
     the linen module; the others:
 
@@ -112,6 +112,7 @@ class MultiHeadAttention(nnx.Module):
         add_bias_kv: bool = False,
         add_zero_attn: bool = False,
         attention_fn: Callable | None = None,
+        sinks: bool = False,
         rngs: nnx.Rngs,
     ):
         _attend.check_dropout_rate(dropout_rate)
@@ -148,6 +149,7 @@ class MultiHeadAttention(nnx.Module):
             self.bias_v = nnx.Param(init(rngs.params(), (kv_features,), param_dtype))
         else:
             self.bias_k = self.bias_v = nnx.data(None)
+        self.sinks = nnx.Param(jnp.zeros((num_heads,), param_dtype)) if sinks else nnx.data(None)
         stream = _dropout_stream(rngs) if dropout_rate > 0 else None
         self.rngs = nnx.data(None) if stream is None else stream.fork()
         self.cached_key = self.cached_value = self.cache_index = self.cached_segment_ids = nnx.data(None)
@@ -256,6 +258,7 @@ class MultiHeadAttention(nnx.Module):
             q_lengths=q_lengths, kv_lengths=kv_lengths, segment_ids=segment_ids, positions=positions,
             rope_base=self.rope_base,
             cache=self._cache(decode), bias_kv=None if self.bias_k is None else (self.bias_k[...], self.bias_v[...]),
+            sinks=None if self.sinks is None else self.sinks[...],
             add_zero_attn=self.add_zero_attn, head_mask=head_mask, need_weights=return_weights or sow,
             dropout_rate=self.dropout_rate, dropout_rng=self._dropout_rng(deterministic, dropout_rng, rngs),
             deterministic=_first(deterministic, self.deterministic), implementation=self.implementation,

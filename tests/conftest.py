@@ -115,14 +115,17 @@ def np_allowed(shape, *, is_causal=False, window=None, q_lengths=None, kv_length
     return ok
 
 
-def jax_reference(q, k, v, allowed=None, bias=None, scale=None, cap=None, keep=None, rate=0.0, uniform_rows=None):
+def jax_reference(q, k, v, allowed=None, bias=None, scale=None, cap=None, keep=None, rate=0.0, uniform_rows=None,
+                  sinks=None, return_lse=False):
     """Dense attention in plain `jax.numpy`, written apart from `jax_mha`, for comparing
     every JAX transformation against autodiff (run it in float64): scaled logits, + bias,
     `cap * tanh(logits / cap)` when `cap` is given (Gemma 2's order), mask, softmax. k/v
     are repeated per query head (GQA); masked logits are -inf; rows with nothing allowed
     give 0. `keep` (bool, the weights' shape) drops weights out at `rate` (kept ones
     scaled by 1/(1-rate)); `uniform_rows` (bool `(B…, H, N)`) gives those rows the mean
-    of all values (the `empty_rows="uniform"` policy)."""
+    of all values (the `empty_rows="uniform"` policy). `sinks` `(H,)`: one more key
+    per head, never masked, of that logit and value zero. `return_lse`: also the log
+    of each row's softmax denominator (-inf where it is empty)."""
     h, kv_heads, d = q.shape[-3], k.shape[-3], q.shape[-1]
     k = jnp.repeat(k, h // kv_heads, axis=-3)
     v = jnp.repeat(v, h // kv_heads, axis=-3)
@@ -133,6 +136,13 @@ def jax_reference(q, k, v, allowed=None, bias=None, scale=None, cap=None, keep=N
     if cap is not None:
         logits = cap * jnp.tanh(logits / cap)
     allowed = jnp.ones(logits.shape, bool) if allowed is None else jnp.broadcast_to(allowed, logits.shape)
+    if sinks is not None:  # the sink as a last key: always allowed, value zero
+        sink = jnp.broadcast_to(sinks[:, None, None], logits.shape[:-1] + (1,)).astype(logits.dtype)
+        logits = jnp.concatenate([logits, sink], axis=-1)
+        allowed = jnp.concatenate([allowed, jnp.ones(sink.shape, bool)], axis=-1)
+        v = jnp.concatenate([v, jnp.zeros(v.shape[:-2] + (1, v.shape[-1]), v.dtype)], axis=-2)
+        if keep is not None:
+            keep = jnp.concatenate([jnp.asarray(keep), jnp.ones(sink.shape, bool)], axis=-1)
     logits = jnp.where(allowed, logits, -jnp.inf)
     top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     e = jnp.where(allowed, jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
@@ -142,8 +152,13 @@ def jax_reference(q, k, v, allowed=None, bias=None, scale=None, cap=None, keep=N
         weights = jnp.where(keep, weights / (1.0 - rate), 0.0)
     out = weights @ v
     if uniform_rows is not None:
-        out = jnp.where(uniform_rows[..., None], jnp.mean(v, axis=-2, keepdims=True), out)
-    return out
+        mean_v = jnp.mean(v if sinks is None else v[..., :-1, :], axis=-2, keepdims=True)
+        out = jnp.where(uniform_rows[..., None], mean_v, out)
+    if not return_lse:
+        return out
+    shift = jnp.where(jnp.isfinite(top), top, 0.0)[..., 0]
+    return out, jnp.where(total[..., 0] > 0, shift + jnp.log(jnp.where(total[..., 0] > 0, total[..., 0], 1.0)),
+                          -jnp.inf)
 
 
 # The attention paths the suites run; "weights" is "xla" asked for the weights too.

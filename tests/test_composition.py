@@ -29,7 +29,7 @@ from jax_mha import _attend, attention
 B, H, N, S, D = 2, 6, 7, 11, 5
 KV_GQA = 3
 FEATURES = ("causal", "window", "q_lengths", "kv_lengths", "segments", "mask", "bias", "score_mod", "mask_mod",
-            "soft_cap", "gqa", "uniform_rows", "dropout")
+            "soft_cap", "gqa", "uniform_rows", "dropout", "sinks", "residual")
 PATHS = ("xla", "weights", "blockwise", "pallas_tpu", "pallas_gpu", "decode")
 TRANSFORMS = ("jit", "vmap", "grad", "jvp")
 DRAWN = 90  # cells in the default (CI) draw
@@ -103,6 +103,10 @@ def problem(features, n):
         kw["logits_soft_cap"] = ref["cap"] = 2.0
     if "uniform_rows" in features:
         kw["empty_rows"] = "uniform"
+    if "sinks" in features:
+        kw["sinks"] = ref["sinks"] = np.array([0.3, -1.0, 2.0, 0.0, -0.5, 1.0], np.float32)
+    if "residual" in features:
+        kw["return_residual"] = ref["return_lse"] = True
     if "dropout" in features:
         kw.update(dropout_rate=RATE, deterministic=False, dropout_rng=jax.random.key(7))
         ref.update(rate=RATE, keep=np.asarray(jax.random.bernoulli(jax.random.key(7), 1 - RATE, (B, H, n, s))))
@@ -152,9 +156,19 @@ def attention_fn(path, kw):
     if path == "decode":
         return lambda q, k, v: decode(q, k, v, dict(kw))
     if path == "weights":
-        return lambda q, k, v: attention(q, k, v, implementation="xla", return_weights=True, **kw)[0]
+        pick = (lambda r: (r[0], r[2])) if kw.get("return_residual") else (lambda r: r[0])
+        return lambda q, k, v: pick(attention(q, k, v, implementation="xla", return_weights=True, **kw))
     blocks = dict(query_block_size=4, key_block_size=8) if path == "blockwise" else {}
     return lambda q, k, v: attention(q, k, v, implementation=path, **blocks, **kw)
+
+
+def loss(result, w):
+    """A scalar of the output (and of the finite log-sum-exps, when returned)."""
+    out, lse = result if isinstance(result, tuple) else (result, None)
+    total = jnp.sum(out * w.astype(out.dtype))
+    if lse is not None:
+        total = total + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w[..., 0].astype(lse.dtype))
+    return total
 
 
 def transformed(transform, f, q, k, v):
@@ -166,25 +180,26 @@ def transformed(transform, f, q, k, v):
     if transform == "vmap":
         return jax.vmap(f)(*(jnp.stack([x, 0.5 * x]) for x in (q, k, v)))
     if transform == "grad":
-        return jax.grad(lambda *a: jnp.sum(f(*a) * w.astype(a[0].dtype)), argnums=(0, 1, 2))(q, k, v)
+        return jax.grad(lambda *a: loss(f(*a), w), argnums=(0, 1, 2))(q, k, v)
     tangents = tuple(jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in (q, k, v))
     return jax.jvp(f, (q, k, v), tangents)
 
 
 NOT_APPLICABLE = {  # (path, feature): a combination that has no meaning there
     ("decode", "q_lengths"), ("decode", "kv_lengths"), ("decode", "uniform_rows"), ("decode", "dropout"),
+    ("decode", "residual"),
 }
 RING_REFUSES = {"mask": "mask", "bias": "bias", "dropout": "dropout", "uniform_rows": "empty_rows"}
+KERNEL_REFUSES = {"bias": "bias", "mask": "mask", "score_mod": "score_mod", "mask_mod": "mask_mod",
+                  "dropout": "dropout", "sinks": "sinks", "residual": "return_residual"}
 # What a path refuses, and the word its message must contain.
 REFUSES = {
-    "blockwise": {"dropout": "dropout"},
+    "blockwise": {"dropout": "dropout", "sinks": "sinks"},
     "decode": {},
     "ring": RING_REFUSES,
-    "pallas_tpu": {"bias": "bias", "mask": "mask", "score_mod": "score_mod", "mask_mod": "mask_mod",
-                   "dropout": "dropout"},
-    "pallas_gpu": {"bias": "bias", "mask": "mask", "score_mod": "score_mod", "mask_mod": "mask_mod",
-                   "dropout": "dropout", "soft_cap": "soft_cap", "window": "window", "kv_lengths": "lengths",
-                   "segments": "segment-id array"},
+    "pallas_tpu": KERNEL_REFUSES,
+    "pallas_gpu": KERNEL_REFUSES | {"soft_cap": "soft_cap", "window": "window", "kv_lengths": "lengths",
+                                    "segments": "segment-id array"},
 }
 
 

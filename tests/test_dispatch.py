@@ -33,7 +33,7 @@ def fake_kernel(refuses=None):
     def run(q, k, v, vis, *, scale, interpret):
         seen.update(vis=vis, interpret=interpret, finite=bool(jnp.all(jnp.isfinite(q)) & jnp.all(jnp.isfinite(v))))
         allowed = _masking.dense_allowed(vis, q.ndim)
-        weights, _ = reference_weights(q, k, allowed, scale=scale)
+        weights, _ = reference_weights(q, k, allowed, scale=scale)  # (weights, empty)
         weights = jnp.where(jnp.any(allowed, -1, keepdims=True), weights, 1.0 / k.shape[-2])  # garbage on empty rows
         return jnp.einsum("bhns,bhsd->bhnd", weights, jnp.repeat(v, q.shape[1] // v.shape[1], axis=1))
 
