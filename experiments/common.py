@@ -870,3 +870,24 @@ def train_model(spec: ModelSpec, out: Path, progress: bool) -> StudyModel:
                        "steps_run": result.steps_run, "wall_seconds": result.wall_seconds,
                        **{f"final_{k}": float(result.evals[k][0, -1]) for k in ("exact_accuracy", "bpc")
                           if k in result.evals}})
+
+
+SEQUENCE_PARALLEL = ("ring", "ulysses")  # --sequence-parallel: how attention splits a mesh's "sequence" axis
+
+
+def add_sequence_parallel_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sequence-parallel", choices=SEQUENCE_PARALLEL, default="ring",
+                   help="with --mesh ...,sequence=P: ring attention (default; K/V blocks passed around the devices) or "
+                   "Ulysses (all-to-all to a split over the heads: every head count a multiple of P); "
+                   "docs/scaling.md compares them")
+
+
+def check_sequence_parallel(kind: str, num_heads: int, mesh) -> None:
+    """Ulysses splits the heads over the mesh's "sequence" axis: ValueError naming
+    the numbers when they do not divide."""
+    from jax_mha import parallel
+
+    size = parallel.sequence_size(mesh)
+    if kind == "ulysses" and num_heads % size:
+        raise ValueError(f"--sequence-parallel ulysses splits the heads over the {size} devices of 'sequence': "
+                         f"{num_heads} heads do not divide; choose --heads multiples of {size} or the ring")

@@ -103,6 +103,7 @@ def build_parser():
                    "'model', the batch over 'data') or 'data=1,sequence=4' (the tokens of each sequence over "
                    "'sequence', ring attention: T a multiple of P², 16 for sequence=4); on CPU set "
                    "XLA_FLAGS=--xla_force_host_platform_device_count=4")
+    common.add_sequence_parallel_arg(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     common.add_distributed_args(p)
     p.add_argument("--tensorboard", type=Path, metavar="DIR", help="also write every evaluation's metrics as "
@@ -158,6 +159,7 @@ def _make_mesh(args, cfg: AblationConfig):
     mesh = parallel.make_mesh(**args.mesh)
     for h in cfg.heads:
         parallel.check_heads_divisible(h, mesh)
+        common.check_sequence_parallel(args.sequence_parallel, h, mesh)
     parallel.check_batch_divisible(cfg.train.batch_size, mesh)
     return mesh
 
@@ -343,7 +345,7 @@ def train_head_count(h: int, cfg: AblationConfig, args, mesh, status: dict) -> d
     status.update(heads=h, state_dir=state_dir)
     try:
         result = train_seeds(model, cfg.task, cfg.train_for(h), cfg.seeds, mesh=mesh, callback=bar,
-                             state_dir=state_dir)
+                             state_dir=state_dir, sequence_parallel_kind=getattr(args, "sequence_parallel", "ring"))
     except ValueError as e:  # a saved state of another run, or damaged
         raise SystemExit(f"error: {e}; or rerun with --force") from None
     finally:

@@ -56,6 +56,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_mha.ring import ring_attention, ring_attention_fn  # noqa: F401  (re-exported)
+from jax_mha.ulysses import ulysses_attention, ulysses_attention_fn  # noqa: F401  (re-exported)
 
 MESH_AXES = ("data", "sequence", "model")
 

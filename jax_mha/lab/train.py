@@ -173,15 +173,26 @@ def make_train_step(
     return train_step
 
 
-def sequence_parallel(model: Decoder, mesh: jax.sharding.Mesh | None) -> Decoder:
+SEQUENCE_PARALLEL = ("ring", "ulysses")
+
+
+def sequence_parallel(model: Decoder, mesh: jax.sharding.Mesh | None, kind: str = "ring") -> Decoder:
     """The model to train on `mesh`: on a "sequence" axis of P > 1 devices its
-    attention runs as ring attention (`parallel.ring_attention_fn`) with every batch's
-    tokens split over that axis (`parallel.batch_sharding`), the same parameters and
-    the same result; otherwise `model` itself. Evaluation keeps `model` (it reads the
-    attention weights, which the ring never forms)."""
+    attention runs as ring attention (`kind="ring"`, `parallel.ring_attention_fn`)
+    or Ulysses (`"ulysses"`, `parallel.ulysses_attention_fn`: every head count a
+    multiple of P) with every batch's tokens split over that axis
+    (`parallel.batch_sharding`), the same parameters and the same result; otherwise
+    `model` itself. Evaluation keeps `model` (it reads the attention weights).
+
+    Raises:
+      ValueError: for another `kind`.
+    """
+    if kind not in SEQUENCE_PARALLEL:
+        raise ValueError(f"sequence parallelism must be one of {SEQUENCE_PARALLEL}, got {kind!r}")
     if parallel.sequence_size(mesh) == 1 or model.attention_fn is not None:
         return model
-    return model.clone(attention_fn=parallel.ring_attention_fn(mesh))
+    make = parallel.ring_attention_fn if kind == "ring" else parallel.ulysses_attention_fn
+    return model.clone(attention_fn=make(mesh))
 
 
 def _jit(fn: Callable, model: Decoder, optimizer, num_seeds: int | None, mesh, rules) -> Callable:
@@ -194,7 +205,7 @@ def _jit(fn: Callable, model: Decoder, optimizer, num_seeds: int | None, mesh, r
 
 def jit_train_step(
     model: Decoder, optimizer: optax.GradientTransformation, *, mesh: jax.sharding.Mesh | None = None,
-    rules: parallel.Rules = parallel.DEFAULT_RULES,
+    rules: parallel.Rules = parallel.DEFAULT_RULES, sequence_parallel_kind: str = "ring",
 ) -> Callable:
     """The jitted single step; the input state's buffers are donated (reused in place).
 
@@ -210,7 +221,7 @@ def jit_train_step(
     if mesh is None:
         return _jit(make_train_step(model, optimizer), model, optimizer, None, None, rules)
     parallel.check_heads_divisible(model.config.num_heads, mesh, rules)
-    step = make_train_step(sequence_parallel(model, mesh), optimizer,
+    step = make_train_step(sequence_parallel(model, mesh, sequence_parallel_kind), optimizer,
                            batch_sharding=parallel.batch_sharding(mesh, rules))
 
     def checked_step(state, batch, rng):
@@ -249,7 +260,7 @@ def make_train_chunk(
 def jit_train_chunk(
     model: Decoder, optimizer: optax.GradientTransformation, task: Task, batch_size: int, num_steps: int,
     *, num_seeds: int | None = None, mesh: jax.sharding.Mesh | None = None,
-    rules: parallel.Rules = parallel.DEFAULT_RULES,
+    rules: parallel.Rules = parallel.DEFAULT_RULES, sequence_parallel_kind: str = "ring",
 ) -> Callable:
     """`make_train_chunk` jitted with the state donated, `vmap`ped over a leading
     seed axis when `num_seeds` is given; with a `mesh`, sharded as `jit_train_step`.
@@ -263,7 +274,8 @@ def jit_train_chunk(
         parallel.check_heads_divisible(model.config.num_heads, mesh, rules)
         parallel.check_batch_divisible(batch_size, mesh, rules)
         parallel.check_sequence_divisible(task.seq_len, mesh)
-        sharding, train_model = parallel.batch_sharding(mesh, rules), sequence_parallel(model, mesh)
+        sharding = parallel.batch_sharding(mesh, rules)
+        train_model = sequence_parallel(model, mesh, sequence_parallel_kind)
     chunk = make_train_chunk(train_model, optimizer, task, batch_size, num_steps, batch_sharding=sharding)
     return _jit(chunk if num_seeds is None else jax.vmap(chunk), model, optimizer, num_seeds, mesh, rules)
 
@@ -339,7 +351,8 @@ def _unstack(tree, n: int):
     return [jax.tree.map(lambda x: x[i], tree) for i in range(n)]
 
 
-def _programs(model, optimizer, task, cfg: TrainConfig, num_seeds: int, use_vmap: bool, mesh) -> _Programs:
+def _programs(model, optimizer, task, cfg: TrainConfig, num_seeds: int, use_vmap: bool, mesh,
+              sequence_parallel_kind: str = "ring") -> _Programs:
     eval_batch = task.eval_batch(jax.random.key(cfg.eval_seed), cfg.eval_size)  # eager: its ops stay compiled across runs
     eval_one = lambda params: evaluate(params, model, task, eval_batch)
     # One seed at a time: XLA:CPU compiles the vmapped initialisers ~5x slower, and
@@ -351,7 +364,7 @@ def _programs(model, optimizer, task, cfg: TrainConfig, num_seeds: int, use_vmap
         return _Programs(
             init=lambda keys: place(init(keys)),
             chunk=jit_train_chunk(model, optimizer, task, cfg.batch_size, cfg.steps_per_call,
-                                  num_seeds=num_seeds, mesh=mesh),
+                                  num_seeds=num_seeds, mesh=mesh, sequence_parallel_kind=sequence_parallel_kind),
             # Replicated metrics: every process can read them (a head-sharded output
             # spanning several processes cannot be fetched by any one of them).
             evaluate=jax.jit(jax.vmap(eval_one), out_shardings=None if mesh is None else parallel.replicated(mesh)),
@@ -486,13 +499,15 @@ def _check_run(model_cfg: ModelConfig, task: Task, seeds: list[int]) -> None:
 def train_seeds(
     model_cfg: ModelConfig, task: Task, cfg: TrainConfig, seeds: Sequence[int], *, use_vmap: bool = True,
     mesh: jax.sharding.Mesh | None = None, callback: Callable[[dict[str, Any]], None] | None = None,
-    state_dir: str | Path | None = None,
+    state_dir: str | Path | None = None, sequence_parallel_kind: str = "ring",
 ) -> SeedsResult:
     """Trains one model per seed: all seeds in one vmapped program (or, with
     `use_vmap=False`, one after another, for comparison).
 
     With a `mesh` (`jax_mha.parallel.make_mesh`), the vmapped program runs sharded:
-    heads across its "model" axis, each batch across "data"; the results are the same.
+    heads across its "model" axis, each batch across "data", and its tokens across
+    "sequence" by ring attention or Ulysses (`sequence_parallel_kind`, see
+    `sequence_parallel`); the results are the same.
     Under `jax.distributed` (several processes, `jax_mha.lab.distributed`) the mesh may
     span every process: each builds the same batches from the same keys inside the
     program, every process calls `train_seeds` alike, and each gets back the whole
@@ -522,7 +537,7 @@ def train_seeds(
     start, seeds = time.perf_counter(), [int(s) for s in seeds]
     _check_run(model_cfg, task, seeds)
     model, optimizer = Decoder(model_cfg), make_optimizer(cfg)
-    programs = _programs(model, optimizer, task, cfg, len(seeds), use_vmap, mesh)
+    programs = _programs(model, optimizer, task, cfg, len(seeds), use_vmap, mesh, sequence_parallel_kind)
     # Raw uint32 keys: plain arrays, so they stack and vmap like any other input.
     keys = jax.vmap(jax.random.split)(jnp.stack([jax.random.PRNGKey(s) for s in seeds]))  # (seeds, 2, 2)
     fingerprint = {"model": dataclasses.asdict(model_cfg), "task": task_to_dict(task),
