@@ -1,4 +1,4 @@
-"""A task where one head is not enough: multi-query associative recall (issue 22, item 4).
+"""A task where one head is not enough: multi-query associative recall.
 
 The copy task is solved by every head count (one fixed offset, which one head with
 learned positions expresses exactly): a null by construction. Here the keys are two

@@ -705,10 +705,10 @@ def run(cfg: BenchConfig, with_torch: bool, sections: tuple[str, ...] = ("train"
     return result
 
 
-ROOFLINE_TARGET = 0.70  # issue 12: attention fwd+bwd at N >= 512, share of jax's own matmul roofline
-TORCH_SDPA_TARGET = 1.2  # issue 12: at most this many times torch SDPA's fwd+bwd time, N >= 512
-WINDOW_TARGET = (16384, 256, 10.0)  # issue 8: at N=16,384 a (256, 0) window >= 10x faster than full causal
-DECODE_TARGET = (256, 5.0)  # issue 9: the cache >= 5x the tokens/s of re-running the prefix at L=256
+ROOFLINE_TARGET = 0.70  # target: attention fwd+bwd at N >= 512, share of jax's own matmul roofline
+TORCH_SDPA_TARGET = 1.2  # target: at most this many times torch SDPA's fwd+bwd time, N >= 512
+WINDOW_TARGET = (16384, 256, 10.0)  # target: at N=16,384 a (256, 0) window >= 10x faster than full causal
+DECODE_TARGET = (256, 5.0)  # target: the cache >= 5x the tokens/s of re-running the prefix at L=256
 
 
 def _layer_targets(rows: list[dict], auto: dict) -> dict[str, Any]:

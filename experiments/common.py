@@ -263,7 +263,7 @@ class AblationConfig:
     seed: int = 0  # seeds are seed, seed + 1, …, seed + num_seeds - 1
     analysis_heads: int = 8
     # (heads, peak lr) pairs overriding train.learning_rate for those head counts:
-    # head sizes from 4 to 64 need not share one rate (issue 22); empty: one rate for all.
+    # head sizes from 4 to 64 need not share one rate; empty: one rate for all.
     learning_rates: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
@@ -358,7 +358,7 @@ def lm_quick() -> AblationConfig:
 
 
 def lm_standard() -> AblationConfig:
-    """The results pages' preset, in the regime where heads matter (issue 22): d_model=128,
+    """The results pages' preset, in the regime where heads matter: d_model=128,
     2 layers, 128-character windows, batch 32, 800 steps (3.3 M characters per seed, 7.8
     passes over the training split), h = 1 … 16 x 3 seeds, induction evidence tracked at
     every evaluation; past the held-out 4-gram (1.90 bpc) at every h measured. One

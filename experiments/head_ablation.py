@@ -14,7 +14,7 @@ accuracy and per-head attention entropy.
     XLA_FLAGS=--xla_force_host_platform_device_count=4 \\
         python -m experiments.head_ablation --task lm --preset tiny --mesh data=1,sequence=4   # ring attention
 
-With --task lm (issue 10, "Heads on real text") the models are character language
+With --task lm the models are character language
 models of the Python Language Reference (`jax_mha.lab.text`); there is no early stopping.
 After training, every model is measured on the whole test split (bits per
 character; the trainer's evaluations read the dev split) and its heads are typed (`jax_mha.lab.head_types`): results.json,
@@ -236,7 +236,7 @@ def summarize_heads(h: int, result: SeedsResult, cfg: AblationConfig) -> dict:
 
 
 # The seeds' spread is the sample std (ddof=1): the population std understated it by
-# sqrt(n / (n - 1)) = 1.22x at 3 seeds (issue 22).
+# sqrt(n / (n - 1)) = 1.22x at 3 seeds.
 mean_std = stats.mean_std
 
 

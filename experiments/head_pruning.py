@@ -403,7 +403,7 @@ def lm_artifact(results: dict, m: common.StudyModel) -> dict:
 
 
 ORDER_LABELS_LM = {"importance": "by gradient importance I(l,h)", "oracle": "by oracle (bpc rise)"}
-# The two tasks' rules are not alike, and the results say so side by side (issue 22).
+# The two tasks' rules are not alike, and the results say so side by side.
 STOP_RULES = {"copy": "stop before held-out token accuracy falls more than 1 point (absolute) below the unpruned model",
               "lm": "stop before validation bpc rises more than 1 % (relative) above the unpruned model"}
 INDUCTION_GATED = 2  # heads gated in the causal induction check (and, as control, as many of the lowest)

@@ -1,4 +1,4 @@
-"""The induction probe's positive control (issue 22, item 2d): a model that must do
+"""The induction probe's positive control: a model that must do
 induction, and what the probe says about it.
 
 A 2-layer, 2-head decoder (d_model = 32) trains 800 steps on repeated random sequences

@@ -1,4 +1,4 @@
-"""Short character-LM runs that size the presets and check the learning rate per head count (issue 22, item 1).
+"""Short character-LM runs that size the presets and check the learning rate per head count.
 
 Trains one model per (heads, learning rate) pair for a few hundred steps, all seeds of
 a pair in one vmapped program, and reports validation bpc (the trainer's evaluation

@@ -357,7 +357,7 @@ def test_split_bpc_is_the_count_weighted_mean(setup):
     np.testing.assert_allclose(analysis.split_bpc(params, model, stacked), expected, rtol=1e-5)
 
 
-# ----------------------------------------------------------------- oracle in loss, the causal induction check (issue 22)
+# ----------------------------------------------------------------- oracle in loss, the causal induction check
 
 
 def test_ablate_each_head_loss_matches_a_loop(setup):

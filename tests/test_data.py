@@ -118,7 +118,7 @@ def test_bad_sizes():
         CopyTaskConfig(num_symbols=1)
 
 
-# ----------------------------------------------------------------- multi-query associative recall (issue 22)
+# ----------------------------------------------------------------- multi-query associative recall
 
 
 def _recall_reference(tokens: np.ndarray, num_pairs: int) -> dict[int, int]:

@@ -59,7 +59,7 @@ def test_ablation_writes_bpc_head_types_and_samples(workdir):
     from experiments import report
 
     assert "| 4 | 2 |" in report.render(artifact, "table")
-    # Issue 22: baselines of the split, characters seen, the gap, and the induction curves of every evaluation.
+    # baselines of the split, characters seen, the gap, and the induction curves of every evaluation.
     assert set(results["ngram_bpc"]) == {"1", "2", "3", "4", "5"}
     assert all(run["characters_seen"] == 50 * 4 * 16 for run in record["runs"])
     assert len(record["runs"][0]["eval_curve"]["icl_score"]) == 2
@@ -83,7 +83,7 @@ def test_attention_maps_and_pruning_use_the_ablation_model(workdir):
         assert len(survivors["heads"]) == 4 - pruned["heads_prunable"][order]
         assert survivors["bpc"] <= pruned["base_bpc"] * 1.01 + 1e-6
     assert "heads pruned before bpc rose > 1 %" in stdout
-    # Issue 22: the LM's importance is compared with its own oracle, the stop rules are stated side by side,
+    # the LM's importance is compared with its own oracle, the stop rules are stated side by side,
     # and the causal induction check gates the top prefix-matching heads against the bottom ones.
     rho = pruned["spearman_importance_vs_oracle"]
     assert rho != rho or -1.0 <= rho <= 1.0  # NaN only when a ranking is constant

@@ -1,4 +1,4 @@
-"""Smoke runs of issue 22's studies at tiny size: they run end to end and write what they say."""
+"""Smoke runs of the studies at tiny size: they run end to end and write what they say."""
 
 import json
 

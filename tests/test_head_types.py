@@ -220,7 +220,7 @@ def test_bad_inputs_name_the_value():
         repeated_random_tokens(jax.random.key(0), 0, 3, 10)
 
 
-# ----------------------------------------------------------------- prefix matching, copying, ICL (issue 22)
+# ----------------------------------------------------------------- prefix matching, copying, ICL
 
 
 def _causal_uniform(layers, batch, heads, t):

@@ -1,4 +1,4 @@
-"""The positive control of the induction probe (issue 22, item 2d): a tiny 2-layer
+"""The positive control of the induction probe: a tiny 2-layer
 model trained 800 steps on repeated random sequences of varying length must score
 above the induction threshold on prefix matching and copy. About 30 s on 2 busy cores."""
 

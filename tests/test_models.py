@@ -94,7 +94,7 @@ def test_generate_samples_with_temperature(params):
         generate(params, model, prompt, 12)
 
 
-# ----------------------------------------------------------------- --head-dim (issue 22, item 3)
+# ----------------------------------------------------------------- --head-dim
 
 
 def test_head_dim_sets_the_projection_widths():

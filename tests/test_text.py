@@ -316,7 +316,7 @@ def test_lm_eval_metric_is_bits_per_character_by_hand(lm_task):
     np.testing.assert_allclose(float(uniform), math.log2(3), rtol=1e-6)
 
 
-# ----------------------------------------------------------------- n-gram baselines (issue 22)
+# ----------------------------------------------------------------- n-gram baselines
 
 
 def test_ngram_on_iid_uniform_text_is_log2_k():

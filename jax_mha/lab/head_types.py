@@ -368,7 +368,7 @@ def count_head_types(labels: np.ndarray) -> dict[str, int]:
     return {name: labels.count(name) for name in HEAD_TYPES}
 
 
-# ----------------------------------------------------------------- induction, copying, in-context learning (issue 22)
+# ----------------------------------------------------------------- induction, copying, in-context learning
 #
 # The probe of `induction_score` drew its tokens from the whole vocabulary; on the
 # reference corpus 29 of 103 characters occur fewer than 100 times in training, so
