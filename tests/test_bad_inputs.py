@@ -13,8 +13,7 @@ from flax import nnx
 
 from jax_mha import FeedForward, MultiHeadAttention, TransformerBlock, attention, combine_heads, split_heads
 from jax_mha import nnx as jax_mha_nnx
-from jax_mha.functional import blockwise_attention
-from jax_mha.functional import lengths_mask
+from jax_mha.functional import blockwise_attention, lengths_mask
 
 X = jnp.ones((2, 5, 12))  # (B, N, d_model)
 
