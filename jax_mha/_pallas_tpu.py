@@ -7,11 +7,16 @@ Translation: causal and local windows become splash's `CausalMask` / `LocalMask`
 of N and S to the block size fold into splash's `SegmentIds` (`kernel_segment_ids`);
 GQA/MQA runs natively (splash groups `H // K` consecutive query heads per kv head);
 logits_soft_cap is splash's `attn_logits_soft_cap`; the scale is folded into q (splash
-does not scale). Dv may differ from D.
+does not scale). Dv may differ from D. Attention sinks are splash's own `sinks` argument,
+unchanged (they live in the scaled-logit space, which is what splash's logits are once
+the scale is in q); splash's backward returns their gradient.
 
 Refused (`refusal`, one line naming the part): an additive bias, a dense mask,
 score_mod/mask_mod, return_weights, dropout, a traced query offset (splash builds its
-mask tables at trace time), float64 and float16 inputs.
+mask tables at trace time), float64 and float16 inputs, and `return_residual=True`:
+splash computes the log-sum-exp (`save_residuals=True`), but its custom VJP then
+refuses to differentiate, and an lse whose cotangent reaches q and k needs the
+backward kernels fed `rowsum(o ∘ dO) - d lse`, which only its private functions take.
 
 Transformations: jit, vmap, grad, vjp (splash's custom_vjp, traced with 64-bit types
 off: `without_x64`). Forward mode raises
@@ -47,7 +52,7 @@ MIN_BLOCK = 128
 def refusal(vis: _masking.Visibility, call: _masking.Call) -> str | None:
     """Why splash attention cannot run this call (one line naming the part and the
     path to use instead), or None. See the module docstring for the list."""
-    why = common_refusal("pallas_tpu", vis, call, takes=("logits_soft_cap",))
+    why = common_refusal("pallas_tpu", vis, call, takes=("logits_soft_cap", "sinks"))
     if why is not None:
         return why
     if jnp.dtype(call.q.dtype) == jnp.float16:
@@ -79,6 +84,16 @@ def _kernel(n_pad, s_pad, heads, is_causal, window, offset, block_q, block_kv, s
                               attn_logits_soft_cap=soft_cap, interpret=interpret)
 
 
+@jax.custom_vjp
+def _float32_cotangent(x):
+    """`x` (float32); its cotangent cast to float32 (splash returns the sinks' in q's
+    dtype, which `grad` would pass on as the gradient of a float32 array)."""
+    return x
+
+
+_float32_cotangent.defvjp(lambda x: (x, None), lambda _, g: (g.astype(jnp.float32),))
+
+
 def run(q, k, v, vis: _masking.Visibility, *, scale: float, interpret: bool) -> jax.Array:
     """Splash attention of finite q `(B…, H, N, D)`, k `(B…, K, S, D)`,
     v `(B…, K, S, Dv)` under `vis` (for which `refusal` returned None).
@@ -108,8 +123,12 @@ def run(q, k, v, vis: _masking.Visibility, *, scale: float, interpret: bool) -> 
     qf = jnp.pad(qf, ((0, 0), (0, 0), (0, n_pad - n), (0, 0)))
     kf, vf = (jnp.pad(x, ((0, 0), (0, 0), (0, s_pad - s), (0, 0))) for x in (kf, vf))
 
-    def one(qb, kb, vb, *seg):
-        return kernel(qb, kb, vb, segment_ids=SegmentIds(q=seg[0], kv=seg[1]) if seg else None)
+    # Splash adds the sinks to its denominators itself, in float32 and in the scaled-logit
+    # space (as the description's), and returns their gradient, in q's dtype.
+    sinks = None if vis.sinks is None else _float32_cotangent(vis.sinks.astype(jnp.float32))
 
-    out = without_x64(jax.vmap(one))(qf, kf, vf, *(() if ids is None else ids))  # (b, H, n_pad, Dv)
+    def one(qb, kb, vb, seg, sinks):
+        return kernel(qb, kb, vb, segment_ids=None if seg is None else SegmentIds(q=seg[0], kv=seg[1]), sinks=sinks)
+
+    out = without_x64(jax.vmap(one, in_axes=(0, 0, 0, 0, None)))(qf, kf, vf, ids, sinks)  # (b, H, n_pad, Dv)
     return out[:, :, :n].reshape(batch + (h, n, vf.shape[-1])).astype(q.dtype)

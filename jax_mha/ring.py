@@ -15,7 +15,10 @@ sends the key/value gradients around the ring with the blocks they belong to, so
 arrive home. Gradients also reach the floating values a `score_mod` closes over (ALiBi
 slopes, a relative-bias table): the mods are traced once at the tile's shapes and every
 array they close over becomes an explicit input of the custom VJP (`_hoist`), whose
-gradient each device sums over its tiles before one `psum`.
+gradient each device sums over its tiles before one `psum`. Attention sinks (one logit
+per head for a key of value zero) need no ring step: each device adds them to its rows'
+denominators after the ring, and their gradient, `-Σ P_sink · (rowsum(dO ∘ O) - d lse)`,
+is a sum over its rows before one `psum`.
 
 Which pairs may attend, and with what logit, is read from the one description
 (`jax_mha._masking.Visibility`, built as `jax_mha.attention` builds it, for the global
@@ -86,7 +89,8 @@ class _Arrays(NamedTuple):
     """The ring's array inputs, global (sharded) outside `shard_map`, per device inside.
 
     q `(B, H, N, D)`, k `(B, K, N, D)`, v `(B, K, N, Dv)`; q_len, kv_len int32 `(B,)`;
-    q_ids, kv_ids int32 `(B, N)`; the consts are replicated."""
+    q_ids, kv_ids int32 `(B, N)`; the consts are replicated; sinks float `(H,)`, split
+    like the heads."""
 
     q: jax.Array
     k: jax.Array
@@ -97,6 +101,7 @@ class _Arrays(NamedTuple):
     kv_ids: jax.Array | None
     score_consts: tuple
     mask_consts: tuple
+    sinks: jax.Array | None = None
 
 
 class _Device(NamedTuple):
@@ -317,8 +322,8 @@ def _when_segments_meet(q_ids, kv_ids, fn, carry):
 
 def _forward(ring: _Ring, a: _Arrays):
     """Per device, in the ring's layout: `(out (B, H, N/P, Dv), lse (B, H, N/P))`,
-    lse the natural log of each row's softmax denominator, `-inf` on a row that sees
-    no key (its output is 0)."""
+    lse the natural log of each row's softmax denominator (the sink's term included),
+    `-inf` on a row that sees no key and has no sink (its output is 0)."""
     dev, vis, c = _device(ring, a), _visibility(ring, a), ring.chunk
     b, h, n, _ = a.q.shape
     kh = a.k.shape[1]
@@ -345,7 +350,18 @@ def _forward(ring: _Ring, a: _Arrays):
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
     out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
     heads = lambda x: _unchunk(x, 3).reshape((b, h, n) + x.shape[5:])  # (B, K, G, n, …) → (B, H, n, …)
-    return heads(out), heads(lse)
+    return _with_sinks(heads(out), heads(lse), a.sinks)
+
+
+def _with_sinks(out, lse, sinks):
+    """`(out (B, H, n, Dv), lse (B, H, n))` over the keys, with each head's sink (float
+    `(H,)`, or None) added to the denominator: a key of logit `sinks[h]` and value
+    zero only rescales the row, by its share `exp(lse - lse')` of the new total."""
+    if sinks is None:
+        return out, lse
+    total = jnp.logaddexp(lse, sinks.astype(lse.dtype)[None, :, None])
+    share = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(lse - total))  # no key seen: out is 0 already
+    return out * share[..., None], total
 
 
 def _backward_step(ring: _Ring, a: _Arrays, dev: _Device, queries, t, state, travel):
@@ -385,8 +401,9 @@ def _backward_step(ring: _Ring, a: _Arrays, dev: _Device, queries, t, state, tra
 
 def _backward(ring: _Ring, a: _Arrays, out, lse, d_out, d_lse):
     """The ring again, per device in the ring's layout: dq stays, (k, v, dk, dv)
-    travel. Returns `(dq, dk, dv, d floats)`, the floats' gradient summed over the
-    devices."""
+    travel. Returns `(dq, dk, dv, d floats, d sinks)`, the floats' gradient summed over
+    the devices, the sinks' over the devices of the sequence and batch (None without
+    sinks)."""
     dev, c = _device(ring, a), ring.chunk
     b, h, n, _ = a.q.shape
     kh = a.k.shape[1]
@@ -409,7 +426,19 @@ def _backward(ring: _Ring, a: _Arrays, out, lse, d_out, d_lse):
     axes = tuple(x for x in (ring.axis_name, ring.batch_axis, ring.head_axis) if x is not None)
     d_floats = tuple(lax.psum(x, axes) for x in d_floats)
     dq = _unchunk(dq, 3).reshape(a.q.shape)
-    return dq.astype(a.q.dtype), dk.astype(a.k.dtype), dv.astype(a.v.dtype), d_floats
+    d_sinks = _sinks_grad(ring, a.sinks, lse.reshape((b, h, n)), delta.reshape((b, h, n)))
+    return dq.astype(a.q.dtype), dk.astype(a.k.dtype), dv.astype(a.v.dtype), d_floats, d_sinks
+
+
+def _sinks_grad(ring: _Ring, sinks, lse, delta):
+    """d sinks `(H,)` (this device's heads): a sink's logit moves only the row's
+    denominator, so d sinks[h] = -Σ_rows P_sink · delta, with P_sink = exp(sinks[h] -
+    lse) and delta = rowsum(dO ∘ O) - d lse `(B, H, n)` (lse +inf: P_sink = 0)."""
+    if sinks is None:
+        return None
+    p_sink = jnp.exp(sinks.astype(lse.dtype)[None, :, None] - lse)
+    axes = tuple(x for x in (ring.axis_name, ring.batch_axis) if x is not None)  # the heads stay split
+    return lax.psum(-(p_sink * delta).sum((0, 2)), axes).astype(sinks.dtype)
 
 
 # ---------------------------------------------------------------------------------
@@ -449,7 +478,8 @@ def _specs(ring: _Ring, a: _Arrays):
     rows, ids = PartitionSpec(ring.batch_axis), PartitionSpec(ring.batch_axis, ring.axis_name)
     replicated = lambda xs: tuple(PartitionSpec() for _ in xs)
     specs = _Arrays(seq, seq, seq, given(a.q_len, rows), given(a.kv_len, rows), given(a.q_ids, ids),
-                    given(a.kv_ids, ids), replicated(a.score_consts), replicated(a.mask_consts))
+                    given(a.kv_ids, ids), replicated(a.score_consts), replicated(a.mask_consts),
+                    given(a.sinks, PartitionSpec(ring.head_axis)))
     return specs, seq, PartitionSpec(ring.batch_axis, ring.head_axis, ring.axis_name)
 
 
@@ -480,17 +510,19 @@ def _ring_bwd(ring: _Ring, residuals, cotangents):
 
     def per_device(a, out, lse, d_out, d_lse):
         stripe = lambda x: _to_striped(ring, x, 2)
-        dq, dk, dv, d_floats = _backward(ring, _in_ring_layout(ring, a), *map(stripe, (out, lse, d_out, d_lse)))
-        return (*(_from_striped(ring, x, 2) for x in (dq, dk, dv)), d_floats)
+        dq, dk, dv, d_floats, d_sinks = _backward(ring, _in_ring_layout(ring, a),
+                                                  *map(stripe, (out, lse, d_out, d_lse)))
+        return (*(_from_striped(ring, x, 2) for x in (dq, dk, dv)), d_floats, d_sinks)
 
     floats_specs = tuple(PartitionSpec() for _ in ring.score_floats)
-    dq, dk, dv, d_floats = jax.shard_map(per_device, mesh=ring.mesh, in_specs=(specs, seq, rows, seq, rows),
-                                         out_specs=(seq, seq, seq, floats_specs), check_vma=False)(
+    dq, dk, dv, d_floats, d_sinks = jax.shard_map(
+        per_device, mesh=ring.mesh, in_specs=(specs, seq, rows, seq, rows),
+        out_specs=(seq, seq, seq, floats_specs, specs.sinks), check_vma=False)(
         a, out, lse, *_placed(ring, tuple(cotangents), (seq, rows)))
     d_consts = [None] * len(a.score_consts)
     for i, d in zip(ring.score_floats, d_floats):
         d_consts[i] = d.astype(a.score_consts[i].dtype)
-    return (_Arrays(dq, dk, dv, None, None, None, None, tuple(d_consts), (None,) * len(a.mask_consts)),)
+    return (_Arrays(dq, dk, dv, None, None, None, None, tuple(d_consts), (None,) * len(a.mask_consts), d_sinks),)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -621,7 +653,7 @@ def _plan(vis: Visibility, q, k, v, *, mesh, axis_name, scale, query_chunk_size,
     lengths = lambda x: None if x is None else jnp.broadcast_to(x.reshape(-1), (b,))
     ids = lambda x: None if x is None else jnp.broadcast_to(x.reshape(x.shape[0], n), (b, n))
     a = _Arrays(q, k, v, lengths(vis.q_lengths), lengths(vis.kv_lengths), ids(vis.q_segment_ids),
-                ids(vis.kv_segment_ids), score_consts, mask_consts)
+                ids(vis.kv_segment_ids), score_consts, mask_consts, vis.sinks)
     return ring, _placed(ring, a)
 
 
@@ -638,7 +670,8 @@ def _placed(ring: _Ring, tree, specs=None):
 
 def _attend(q, k, v, call: Call, *, mask=None, bias=None, mesh: Mesh, axis_name: str, scale, query_chunk_size,
             batch_axis_name, head_axis_name, **visibility):
-    """Validates, reads `refusal`, plans and runs the ring; returns `(out, lse)`."""
+    """Validates, reads `refusal`, plans and runs the ring; returns `(out (B, H, N, Dv)
+    in q's dtype, lse (B, H, N) float32)`, lse -inf past `q_lengths`."""
     _check_mesh(mesh, axis_name, batch_axis_name, head_axis_name)
     _check_qkv(q, k, v)
     vis = _validate.describe(q, k, v, mask, bias, **visibility)  # attention's checks and messages
@@ -649,7 +682,10 @@ def _attend(q, k, v, call: Call, *, mask=None, bias=None, mesh: Mesh, axis_name:
     ring, a = _plan(vis, q, k, v, mesh=mesh, axis_name=axis_name, scale=scale, query_chunk_size=query_chunk_size,
                     batch_axis_name=batch_axis_name, head_axis_name=head_axis_name)
     out, lse = _ring(ring, a)
-    return out.astype(q.dtype), lse
+    if vis.q_lengths is not None:  # a cut row sees no key, but its sink would still count
+        rows = jnp.arange(ring.n, dtype=jnp.int32).reshape(1, 1, -1)
+        lse = jnp.where(rows < vis.q_lengths[..., 0], lse, -jnp.inf)
+    return out.astype(q.dtype), lse.astype(jnp.float32)
 
 
 # ---------------------------------------------------------------------------------
@@ -674,10 +710,12 @@ def ring_attention(
     score_mod: Callable | None = None,
     mask_mod: Callable | None = None,
     logits_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
+    return_residual: bool = False,
     query_chunk_size: int = QUERY_CHUNK,
     batch_axis_name: str | None = None,
     head_axis_name: str | None = None,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Self-attention with the sequence split over the mesh axis `axis_name`.
 
     Equals `jax_mha.attention(q, k, v, ...)` with the same keywords (to float32
@@ -716,6 +754,11 @@ def ring_attention(
         may close over arrays, traced ones (e.g. document ids under jit) included.
       logits_soft_cap: `c > 0`: logits become `c · tanh(logits / c)` after
         `score_mod`, before masking.
+      sinks: float `(H,)`, one logit per query head for a virtual key whose value is
+        zero, in the space of the logits after the mods: each row's softmax
+        denominator gains `exp(sinks[h])`. Never masked; gradients reach it. Split
+        over `head_axis_name` like the heads.
+      return_residual: also return each row's log-sum-exp.
       query_chunk_size: query rows and keys per score tile inside a ring step (bounds
         the `(chunk, chunk)` scores a device holds at once).
       batch_axis_name: a mesh axis the batch B is split over inside the ring (e.g.
@@ -726,8 +769,11 @@ def ring_attention(
         K must be a multiple of its size.
 
     Returns:
-      `(B, H, N, Dv)` in q's dtype, sharded like q. A query that may see no key gets
-      zeros (value and gradient), as `attention` does.
+      `out (B, H, N, Dv)` in q's dtype, sharded like q. A query that may see no key
+      gets zeros (value and gradient), as `attention` does. With `return_residual`,
+      `(out, lse)`: `lse (B, H, N)` float32, sharded like out along N, the natural log
+      of each row's softmax denominator (the sink's term included), -inf on a row
+      with no visible key and no sink and past `q_lengths`; differentiable.
 
     Raises:
       ValueError: naming the numbers, when an axis is not a mesh axis, N is not a
@@ -740,14 +786,14 @@ def ring_attention(
     Differentiable in reverse mode (`grad`, `vjp`; a custom VJP that runs the ring
     again); forward mode (`jvp`) is not supported by the custom VJP.
     """
-    out, _ = _attend(
-        q, k, v, Call(q, k, v), mesh=mesh, axis_name=axis_name, scale=scale, query_chunk_size=query_chunk_size,
-        batch_axis_name=batch_axis_name, head_axis_name=head_axis_name, is_causal=is_causal,
-        local_window_size=local_window_size, q_lengths=q_lengths, kv_lengths=kv_lengths,
+    out, lse = _attend(
+        q, k, v, Call(q, k, v, return_residual=bool(return_residual)), mesh=mesh, axis_name=axis_name, scale=scale,
+        query_chunk_size=query_chunk_size, batch_axis_name=batch_axis_name, head_axis_name=head_axis_name,
+        is_causal=is_causal, local_window_size=local_window_size, q_lengths=q_lengths, kv_lengths=kv_lengths,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, score_mod=score_mod, mask_mod=mask_mod,
-        logits_soft_cap=logits_soft_cap,
+        logits_soft_cap=logits_soft_cap, sinks=sinks,
     )
-    return out
+    return (out, lse) if return_residual else out
 
 
 def _ring_attention_fn(
@@ -755,22 +801,22 @@ def _ring_attention_fn(
     local_window_size=None, q_lengths=None, kv_lengths=None, q_segment_ids=None, kv_segment_ids=None,
     empty_rows="zero", dropout_rate=0.0, dropout_rng=None, deterministic=True, return_weights=False,
     implementation=None, query_block_size=None, key_block_size=None, score_mod=None, mask_mod=None,
-    logits_soft_cap=None,
+    logits_soft_cap=None, sinks=None, return_residual=False,
 ):
     del implementation, query_block_size, key_block_size  # the ring walks its own tiles
     _validate.check_options(scale, dropout_rate, dropout_rng, deterministic, empty_rows, is_causal,
                               jnp.shape(q)[-1])  # bad values: attention's messages, before the refusal
     call = Call(q, k, v, return_weights=bool(return_weights), dropout=dropout_rate > 0 and not deterministic,
-                empty_rows=empty_rows)
-    out, _ = _attend(
+                empty_rows=empty_rows, return_residual=bool(return_residual))
+    out, lse = _attend(
         q, k, v, call, mask=mask, bias=bias, mesh=mesh, axis_name=axis_name, scale=scale,
         query_chunk_size=query_chunk_size, batch_axis_name=_divides(mesh, "data", jnp.shape(q)[0]),
         head_axis_name=_divides(mesh, "model", jnp.shape(k)[1]), is_causal=is_causal,
         local_window_size=local_window_size, q_lengths=q_lengths, kv_lengths=kv_lengths,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, score_mod=score_mod, mask_mod=mask_mod,
-        logits_soft_cap=logits_soft_cap,
+        logits_soft_cap=logits_soft_cap, sinks=sinks,
     )
-    return out
+    return (out, lse) if return_residual else out
 
 
 def _divides(mesh: Mesh, axis: str, count: int) -> str | None:
@@ -797,12 +843,13 @@ def ring_attention_fn(mesh: Mesh, axis_name: str = "sequence", *, query_chunk_si
 
     The returned callable takes `jax_mha.attention`'s keywords: `is_causal`, `scale`,
     `local_window_size`, `q_lengths`, `kv_lengths`, `q_segment_ids`,
-    `kv_segment_ids` (the modules' `segment_ids`), `score_mod`, `mask_mod` and
-    `logits_soft_cap` go to the ring; `implementation` and the block sizes are
-    ignored (the ring walks its own tiles); what ring attention cannot do is refused
-    by name at trace time (ValueError, `refusal`): a dense `mask` or `bias`,
-    `return_weights=True`, attention dropout, `empty_rows="uniform"`. N must be a
-    multiple of P (P² when causal, see `jax_mha.parallel.check_sequence_divisible`).
+    `kv_segment_ids` (the modules' `segment_ids`), `score_mod`, `mask_mod`,
+    `logits_soft_cap`, `sinks` and `return_residual` go to the ring;
+    `implementation` and the block sizes are ignored (the ring walks its own tiles);
+    what ring attention cannot do is refused by name at trace time (ValueError,
+    `refusal`): a dense `mask` or `bias`, `return_weights=True`, attention dropout,
+    `empty_rows="uniform"`. N must be a multiple of P (P² when causal, see
+    `jax_mha.parallel.check_sequence_divisible`).
 
     Args:
       mesh: the device mesh; `axis_name` must be one of its axes.
@@ -810,7 +857,8 @@ def ring_attention_fn(mesh: Mesh, axis_name: str = "sequence", *, query_chunk_si
       query_chunk_size: rows per score tile inside a ring step (`ring_attention`).
 
     Returns:
-      `attention_fn(q, k, v, mask=None, bias=None, **keywords) -> (B, H, N, Dv)`.
+      `attention_fn(q, k, v, mask=None, bias=None, **keywords) -> (B, H, N, Dv)`, or
+      `(out, lse (B, H, N))` with `return_residual=True`.
 
     Raises:
       ValueError: when `axis_name` is not an axis of the mesh.

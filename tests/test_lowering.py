@@ -35,8 +35,9 @@ def _vis(n, s, parts):
     if "segments" in parts:
         q_ids, kv_ids = ids(n), ids(s)
     q_seg, kv_seg = _masking.segments_at_rank(q_ids, kv_ids, 1)
+    sinks = jnp.linspace(-1.0, 2.0, H, dtype=jnp.float32) if "sinks" in parts else None
     return _masking.Visibility(n, s, "causal" in parts, _masking.Window(5, 2) if "window" in parts else None,
-                               q_segment_ids=q_seg, kv_segment_ids=kv_seg, batch_shape=(B,), num_heads=H)
+                               q_segment_ids=q_seg, kv_segment_ids=kv_seg, sinks=sinks, batch_shape=(B,), num_heads=H)
 
 
 def export_cell(name, n, s, d, dtype, parts, grad):
@@ -72,6 +73,7 @@ DEFAULT_CELLS = [
     ("pallas_tpu", 128, 128, 128, "bfloat16", ()),
     ("pallas_tpu", 37, 100, 64, "bfloat16", ("causal", "window")),
     ("pallas_tpu", 100, 37, 128, "float32", ("segments",)),
+    ("pallas_tpu", 100, 100, 128, "bfloat16", ("causal", "segments", "sinks")),  # splash's sinks argument
 ]
 PATTERNS = [("causal",), ("causal", "segments"), ("window",), ()]
 FULL_CELLS = [(name, n, n, d, dt, parts) for name, n, d, dt, parts in itertools.product(
@@ -91,6 +93,8 @@ def expected_refusal(name, n, s, parts) -> str | None:
     """What `refusal` must say for a cell of this grid, or None (it must lower)."""
     if name == "pallas_gpu" and "window" in parts:
         return "cannot express a local window"
+    if name == "pallas_gpu" and "sinks" in parts:
+        return "cannot express sinks"
     if name == "pallas_gpu" and "segments" in parts and n != s:
         return "reads one segment-id array for queries and keys"
     return None

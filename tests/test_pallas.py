@@ -136,6 +136,57 @@ def test_gradients_match_float64_under_x64(rng, name, batch, h, kh, n, s, parts)
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-4)
 
 
+def test_tpu_sinks_match_float64(rng):
+    """Attention sinks (splash's own argument), some beyond the soft-cap (a sink is not
+    capped): output and the gradients to q, k, v and the sinks against the float64
+    reference with one more key of logit sinks[h] and value zero; GQA, distinct q/kv
+    segment ids, both lengths, rows that see no key (the dispatcher zeroes them)."""
+    batch, h, kh, n, s = (2,), 4, 2, 37, 131
+    q, k, v = _inputs(rng, batch, h, kh, n, s)
+    q_ids, kv_ids = _segments(rng, batch, n, s, "distinct")
+    parts = dict(is_causal=True, q_ids=q_ids, kv_ids=kv_ids, q_lengths=np.array([30, 37]),
+                 kv_lengths=np.array([131, 100]), logits_soft_cap=1.0)
+    allowed = jnp.asarray(np_allowed((*batch, h, n, s), is_causal=True, q_lengths=parts["q_lengths"],
+                                     kv_lengths=parts["kv_lengths"], q_segment_ids=q_ids, kv_segment_ids=kv_ids))
+    sinks = np.array([1.5, -2.0, 0.3, 3.0], np.float32)
+    ct = rng.standard_normal(q.shape)
+
+    def out_and_grads(f):
+        def run(*args):
+            out, pull = jax.vjp(f, *args)
+            return out, pull(jnp.asarray(ct, out.dtype))
+
+        return jax.jit(run)
+
+    with x64():
+        ours = lambda q, k, v, sinks: _dispatched(_pallas_tpu, q, k, v, _vis(batch, h, n, s, sinks=sinks, **parts))
+        ref = lambda q, k, v, sinks: jax_reference(q, k, v, allowed, scale=SCALE, cap=1.0, sinks=sinks)
+        out, grads = out_and_grads(ours)(q, k, v, sinks)
+        wide = [jnp.asarray(x, jnp.float64) for x in (q, k, v, sinks)]
+        want, want_grads = out_and_grads(ref)(*wide)
+        capped_sinks = jax_reference(*wide[:3], allowed, scale=SCALE, cap=1.0, sinks=jnp.tanh(wide[3]))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=1e-5)
+    assert np.abs(np.asarray(capped_sinks - want)).max() > 1e-2  # capping the sinks would have been seen
+    assert not np.asarray(allowed).any(-1).all()  # some rows see no key
+    for g, w in zip(grads, want_grads):
+        assert g.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-4)
+    assert np.abs(np.asarray(want_grads[3])).min() > 1e-3  # every head's sink gradient compared
+
+
+def test_tpu_sinks_gradient_is_float32_for_bfloat16_inputs(rng):
+    """Splash returns the sinks' gradient in q's dtype: through `attention` a float32
+    `sinks` still gets a float32 gradient, close to the 'xla' path's."""
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _inputs(rng, (1,), 2, 1, 19, 19))
+    sinks = jnp.asarray([0.5, -1.0], jnp.float32)
+    grad = lambda impl: jax.jit(jax.grad(lambda s: attention(q, k, v, is_causal=True, sinks=s, implementation=impl)
+                                         .astype(jnp.float32).sum()))(sinks)
+    got, want = grad("pallas_tpu"), grad("xla")
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2)
+    assert np.abs(np.asarray(want)).min() > 0.1
+
+
 def test_tpu_logits_soft_cap_matches_float64(rng):
     # c * tanh(logits / c) on the scaled logits, before masking; a cap of 1 on logits of
     # size ~1..3 moves the output far beyond the tolerance.
@@ -196,6 +247,7 @@ BOTH_REFUSE = [
     ("one dtype", {}, dict(k_dtype=jnp.bfloat16)),
     ("H=6, K=4", {}, dict(kh=4)),
     ("traced query offset", "traced", {}),
+    ("return_residual=True", {}, dict(return_residual=True)),
 ]
 
 
@@ -267,7 +319,7 @@ def test_gpu_traced_shared_ids_through_attention(rng):
 def test_tpu_refuses_float16_and_accepts_the_rest():
     assert "float16" in _refusal("pallas_tpu", {}, dict(dtype=jnp.float16))
     rich = dict(is_causal=True, window=(3, None), q_ids=np.zeros((2, 7), int), kv_ids=np.ones((2, 11), int),
-                kv_lengths=np.array([4, 11]), q_offset=2, logits_soft_cap=5.0)
+                kv_lengths=np.array([4, 11]), q_offset=2, logits_soft_cap=5.0, sinks=jnp.zeros(6))
     assert _refusal("pallas_tpu", rich, dict(dv=32, empty_rows="uniform")) is None
     assert _refusal("pallas_gpu", {}, dict(empty_rows="uniform")) is None
 

@@ -1,7 +1,9 @@
 """`jax_mha.ring.ring_attention` (also `jax_mha.parallel.ring_attention`) on 4 and 8
 forced CPU devices against `attention(..., implementation="xla")` on one device: values
-and gradients (q, k, v, and the floating arrays a `score_mod` closes over) for every
-part of the description it takes, the collectives in its program, and its refusals.
+and gradients (q, k, v, the floating arrays a `score_mod` closes over, the attention
+sinks) for every part of the description it takes, the log-sum-exp of
+`return_residual=True` and the gradients through it, the collectives in its program,
+and its refusals.
 
 Each device count runs in one subprocess (XLA fixes the device count at start-up);
 this file is that subprocess's script too, and prints one JSON line of results. Each
@@ -22,16 +24,18 @@ import pytest
 # (B, H, K, N, D): H != K (GQA), N a multiple of P² for the striped causal layout.
 SHAPES = {4: (2, 6, 2, 48, 8), 8: (1, 3, 1, 64, 4)}
 # Options by name; "docs" (packed documents as segment ids), "alibi" (a score_mod over
-# closed-over slopes, whose gradient is checked) and "doc_mask" (a mask_mod over a
-# document-id array passed into the jitted function, i.e. traced) are built in `_options`.
+# closed-over slopes, whose gradient is checked), "doc_mask" (a mask_mod over a
+# document-id array passed into the jitted function, i.e. traced), "sinks" (one logit
+# per head, differentiated) and "lse" (return_residual=True, a cotangent on the lse
+# too) are built in `_options`.
 CASES = {
     "full": dict(),
     "causal": dict(is_causal=True),  # striped layout
     "causal_window": dict(is_causal=True, local_window_size=(5, 0)),  # ring cut to 2 steps at P=4
-    "window_both_sides": dict(local_window_size=(7, 3)),
-    "kv_lengths": dict(kv_lengths=[30, 0]),  # sequence 1: every row empty
+    "window_both_sides": dict(local_window_size=(7, 3), sinks=True, kv_lengths=[30, 0]),  # rows that see only a sink
+    "kv_lengths": dict(kv_lengths=[30, 0], lse=True),  # sequence 1: every row empty, lse -inf
     "causal_kv_lengths": dict(is_causal=True, kv_lengths=[30, 11], scale=0.3),
-    "packed_causal": dict(is_causal=True, docs=1),  # the ids striped with the rows
+    "packed_causal": dict(is_causal=True, docs=1, sinks=True, lse=True, q_lengths=[37, 13]),  # ids striped with rows
     "packed_lengths_window": dict(docs=1, q_lengths=[37, 13], kv_lengths=[41, 29], local_window_size=(9, 2),
                                   logits_soft_cap=1.5),
     "alibi": dict(is_causal=True, alibi=True),  # global q_idx - kv_idx in the striped layout
@@ -40,7 +44,8 @@ CASES = {
 # Every case runs on 4 devices; on 8 (a longer ring, cut differently by the window) these.
 ON_EIGHT = ("causal", "causal_window", "window_both_sides", "packed_causal", "alibi", "document_mask")
 # On 4 devices the batch, then the key/value heads, split beside the sequence (2 x 2);
-# on 8 all three (2 x 2 x 2). The mods read the global batch and head indices.
+# on 8 all three (2 x 2 x 2), through `ring_attention_fn`. The mods read the global
+# batch and head indices.
 SPLITS = {4: {"batch_axis_name": ("data",), "head_axis_name": ("model",)}, 8: {"batch_and_heads": ("data", "model")}}
 SPLIT_SHAPE = (2, 6, 2, 16, 4)
 
@@ -57,11 +62,11 @@ def _documents(rng, b: int, n: int) -> np.ndarray:
 
 
 def _options(options: dict, b: int, floats: tuple, ints: tuple) -> dict:
-    """The keywords of one case: `floats = (slopes (H,),)` differentiable, `ints =
+    """The keywords of one case: `floats = (slopes (H,), sinks (H,))` differentiable, `ints =
     (document ids (B, N),)`, both passed into the jitted function."""
     import jax.numpy as jnp
 
-    out = {name: value for name, value in options.items() if name not in ("docs", "alibi", "doc_mask")}
+    out = {name: value for name, value in options.items() if name not in ("docs", "alibi", "doc_mask", "sinks", "lse")}
     for name in ("q_lengths", "kv_lengths"):
         if name in out:
             out[name] = jnp.asarray(out[name][:b])
@@ -73,43 +78,62 @@ def _options(options: dict, b: int, floats: tuple, ints: tuple) -> dict:
     if options.get("doc_mask"):
         docs = ints[0]  # odd heads ignore the documents: the mask reads the global head too
         out["mask_mod"] = lambda b, h, i, j: (docs[b, i] == docs[b, j]) | (h % 2 == 1)
+    if options.get("sinks"):
+        out["sinks"] = floats[1]
+    if options.get("lse"):
+        out["return_residual"] = True
     return out
 
 
 def _compare(ring_fn, inputs, sharded, options) -> dict:
-    """Ring vs one-device attention: max abs errors of the output and of the
-    gradients of `(out * w).sum()` to q, k, v and the slopes (relative to their
-    largest entry), and the compiled ring program's text."""
+    """Ring vs one-device attention: max abs errors of the output (and of the finite
+    lse entries, whose -inf entries must coincide) and of the gradients of
+    `(out * w).sum()` (`+ (lse * w_lse).sum()` over finite entries with "lse") to q,
+    k, v, the slopes and the sinks (these two relative to their largest entry), and
+    the compiled ring program's text."""
     import jax
     import jax.numpy as jnp
 
     from jax_mha import attention
 
-    q, k, v, w, slopes, docs = inputs
+    q, k, v, w, slopes, docs, sinks, w_lse = inputs
     b = q.shape[0]
 
     def both(fn):
-        def run(q, k, v, w, slopes, docs):
-            f = lambda q, k, v, slopes: fn(q, k, v, **_options(options, b, (slopes,), (docs,)))
-            out, pull = jax.vjp(f, q, k, v, slopes)
-            return out, pull(w)
+        def run(q, k, v, w, slopes, docs, sinks, w_lse):
+            f = lambda q, k, v, slopes, sinks: fn(q, k, v, **_options(options, b, (slopes, sinks), (docs,)))
+            out, pull = jax.vjp(f, q, k, v, slopes, sinks)
+            if not options.get("lse"):
+                return out, None, pull(w)
+            return out[0], out[1], pull((w, jnp.where(jnp.isfinite(out[1]), w_lse, 0.0)))
 
         return jax.jit(run)
 
-    compiled = both(ring_fn).lower(*sharded, slopes, docs).compile()
-    (out, grads), (want, want_grads) = compiled(*sharded, slopes, docs), both(
-        lambda *a, **o: attention(*a, implementation="xla", **o))(q, k, v, w, slopes, docs)
+    args = (*sharded[:4], slopes, docs, sinks, sharded[4])  # sharded: q, k, v, w, w_lse
+    compiled = both(ring_fn).lower(*args).compile()
+    (out, lse, grads), (want, want_lse, want_grads) = compiled(*args), both(
+        lambda *a, **o: attention(*a, implementation="xla", **o))(q, k, v, w, slopes, docs, sinks, w_lse)
     errors = [float(jnp.abs(a - e).max()) for a, e in zip(grads, want_grads)]
-    errors[3] /= max(1.0, float(jnp.abs(want_grads[3]).max()))
-    return {
+    for i in (3, 4):
+        errors[i] /= max(1.0, float(jnp.abs(want_grads[i]).max()))
+    result = {
         "out": float(jnp.abs(out - want).max()),
         "grads": errors,
         "slopes_grad_max": float(jnp.abs(want_grads[3]).max()),
+        "sinks_grad_max": float(jnp.abs(want_grads[4]).max()),
         "out_changed": float(jnp.abs(want).max()),
         "finite": bool(jnp.isfinite(out).all() and all(jnp.isfinite(g).all() for g in grads)),
         "sharding": str(out.sharding.spec),
         "hlo": compiled.as_text(),
     }
+    if lse is not None:
+        got_lse, want_lse = np.asarray(lse), np.asarray(want_lse)
+        finite = np.isfinite(want_lse)
+        result.update(lse=float(np.abs(np.where(finite, got_lse, 0.0) - np.where(finite, want_lse, 0.0)).max()),
+                      lse_pattern=bool(np.array_equal(np.where(finite, 0.0, got_lse), np.where(finite, 0.0, want_lse))),
+                      lse_minus_inf=int((want_lse == -np.inf).sum()), lse_dtype=str(lse.dtype),
+                      lse_sharding=str(lse.sharding.spec))
+    return result
 
 
 def _inputs(rng, shape):
@@ -119,20 +143,23 @@ def _inputs(rng, shape):
     q, w = (jnp.asarray(rng.standard_normal((b, h, n, d)), jnp.float32) for _ in range(2))
     k, v = (jnp.asarray(rng.standard_normal((b, kh, n, d)), jnp.float32) for _ in range(2))
     slopes = jnp.asarray(2.0 ** -np.linspace(0.5, 4, h), jnp.float32)
-    return q, k, v, w, slopes, jnp.asarray(_documents(rng, b, n))
+    docs = jnp.asarray(_documents(rng, b, n))
+    sinks = jnp.asarray(2.0 * rng.standard_normal(h), jnp.float32)  # some heads' rows mostly sink
+    return q, k, v, w, slopes, docs, sinks, jnp.asarray(rng.standard_normal((b, h, n)), jnp.float32)
 
 
 def _run_cases(num_devices: int) -> dict:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from jax_mha.parallel import ring_attention
+    from jax_mha.parallel import ring_attention, ring_attention_fn
 
     rng = np.random.default_rng(num_devices)
     mesh = jax.make_mesh((num_devices,), ("sequence",))
     inputs = _inputs(rng, SHAPES[num_devices])
     seq = NamedSharding(mesh, PartitionSpec(None, None, "sequence", None))
-    sharded = [jax.device_put(x, seq) for x in inputs[:4]]
+    sharded = [jax.device_put(x, seq) for x in inputs[:4]] + [
+        jax.device_put(inputs[-1], NamedSharding(mesh, PartitionSpec(None, None, "sequence")))]
     results = {}
     for name, options in CASES.items():
         if num_devices == 8 and name not in ON_EIGHT:
@@ -147,11 +174,14 @@ def _run_cases(num_devices: int) -> dict:
         shape = (2,) * (len(axes) + 1)
         mesh = jax.make_mesh(shape, (*axes, "sequence"))
         spec = PartitionSpec("data" if "data" in axes else None, "model" if "model" in axes else None, "sequence")
-        sharded = [jax.device_put(x, NamedSharding(mesh, spec)) for x in inputs[:4]]
+        sharded = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (*inputs[:4], inputs[-1])]
         split = {"batch_axis_name": "data" if "data" in axes else None,
                  "head_axis_name": "model" if "model" in axes else None}
         ring = lambda *a, **o: ring_attention(*a, mesh=mesh, query_chunk_size=4, **split, **o)  # noqa: B023
-        results[name] = _compare(ring, inputs, sharded, dict(is_causal=True, docs=2, alibi=True, doc_mask=True))
+        if len(axes) == 2:  # the modules' attention_fn: it splits over "data" and "model" by itself
+            ring = ring_attention_fn(mesh, query_chunk_size=4)
+        results[name] = _compare(ring, inputs, sharded, dict(is_causal=True, docs=2, alibi=True, doc_mask=True,
+                                                             sinks=True, lse=True))
         results[name].pop("hlo")
     return results
 
@@ -168,11 +198,16 @@ def ring_results(request):
     return request.param, json.loads(line[len("RESULT "):])
 
 
-def _assert_equal_to_attention(got, where):
+def _assert_equal_to_attention(got, where, options):
     assert got["finite"], where
     assert got["out"] < 2e-5, (where, got)
     assert max(got["grads"][:3]) < 2e-5, (where, got)  # dq, dk, dv
     assert got["grads"][3] < 2e-6, (where, got)  # d slopes, relative to its largest entry
+    assert got["grads"][4] < 2e-6, (where, got)  # d sinks, relative to its largest entry
+    assert (got["sinks_grad_max"] > 0.1) == bool(options.get("sinks")), (where, got)  # compared, and not zero
+    if options.get("lse"):
+        assert got["lse"] < 2e-5 and got["lse_pattern"] and got["lse_dtype"] == "float32", (where, got)
+        assert "sequence" in got["lse_sharding"], (where, got)  # split along N like out
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -181,23 +216,26 @@ def test_ring_attention_equals_attention(ring_results, case):
     if case not in results:
         pytest.skip(f"not run on the {num_devices}-device mesh")
     got = results[case]
-    _assert_equal_to_attention(got, (num_devices, case))
+    _assert_equal_to_attention(got, (num_devices, case), CASES[case])
     assert got["out_changed"] > 0.1  # the reference output is not all zeros: the comparison means something
     assert "sequence" in got["sharding"]  # the output stays split along N
     if CASES[case].get("alibi"):
         assert got["slopes_grad_max"] > 1.0  # the slopes' gradient is compared, and is not zero
+    if CASES[case].get("lse") and ("q_lengths" in CASES[case] or not CASES[case].get("sinks")):
+        assert got["lse_minus_inf"] > 0  # rows past q_lengths, or with no key and no sink: -inf compared
 
 
 @pytest.mark.parametrize("split", ["batch_axis_name", "head_axis_name", "batch_and_heads"])
 def test_batch_or_heads_split_beside_the_sequence(ring_results, split):
-    """GQA, packed documents, ALiBi and a document mask that also reads the head, with
-    the batch and/or the key/value heads split over mesh axes beside the sequence: the
-    mods must see the global batch and head indices."""
+    """GQA, packed documents, ALiBi, a document mask that also reads the head, sinks
+    and the lse, with the batch and/or the key/value heads split over mesh axes beside
+    the sequence: the mods must see the global batch and head indices, each device its
+    heads' sinks."""
     num_devices, results = ring_results
     if split not in results:
         pytest.skip(f"not run on the {num_devices}-device mesh")
     got = results[split]
-    _assert_equal_to_attention(got, (num_devices, split))
+    _assert_equal_to_attention(got, (num_devices, split), dict(sinks=True, lse=True))
     assert got["slopes_grad_max"] > 1.0
     for axis in ("data", "model"):
         assert (axis in got["sharding"]) == (axis in SPLITS[num_devices][split]), got
@@ -242,6 +280,10 @@ def test_refusals_name_the_numbers():
         ring_attention(x, x, x, mesh=mesh, mask_mod=lambda b, h, i, j: i - j)
     with pytest.raises(ValueError, match=r"logits_soft_cap must be a positive finite number"):
         ring_attention(x, x, x, mesh=mesh, logits_soft_cap=-1.0)
+    with pytest.raises(ValueError, match=r"sinks must have shape \(H,\) = \(2,\), one logit per query head, got \(3,\)"):
+        ring_attention(x, x, x, mesh=mesh, sinks=jnp.zeros(3))
+    with pytest.raises(TypeError, match=r"sinks must be floating"):
+        ring_attention(x, x, x, mesh=mesh, sinks=jnp.zeros(2, jnp.int32))
 
 
 def test_refusal_names_every_part_it_cannot_take():
