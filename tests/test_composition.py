@@ -197,7 +197,7 @@ REFUSES = {
     "blockwise": {"dropout": "dropout", "sinks": "sinks"},
     "decode": {},
     "ring": RING_REFUSES,
-    "pallas_tpu": KERNEL_REFUSES,
+    "pallas_tpu": {name: word for name, word in KERNEL_REFUSES.items() if name != "sinks"},  # splash has sinks
     "pallas_gpu": KERNEL_REFUSES | {"soft_cap": "soft_cap", "window": "window", "kv_lengths": "lengths",
                                     "segments": "segment-id array"},
 }
