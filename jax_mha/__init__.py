@@ -6,6 +6,7 @@
 from jax_mha.functional import (
     attention,
     attention_entropy,
+    attention_statistics,
     causal_mask,
     combine_heads,
     lengths_mask,
@@ -25,6 +26,7 @@ __all__ = [
     "TransformerBlock",
     "attention",
     "attention_entropy",
+    "attention_statistics",
     "causal_mask",
     "combine_heads",
     "from_flax",

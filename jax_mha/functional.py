@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from jax_mha import _dispatch, _masking
 from jax_mha._dispatch import IMPLEMENTATIONS, WHOLE_SCORES_MAX_BYTES, whole_scores_fit
+from jax_mha._statistics import attention_statistics
 from jax_mha._validate import (
     EMPTY_ROWS,
     DTypeError,
@@ -498,6 +499,7 @@ def blockwise_attention(q, k, v, mask=None, bias=None, *, query_block_size=None,
 
 __all__ = [
     "EMPTY_ROWS", "IMPLEMENTATIONS", "WHOLE_SCORES_MAX_BYTES", "DTypeError", "attention", "attention_entropy",
+    "attention_statistics",
     "blockwise_attention", "causal_mask", "combine_heads", "lengths_mask", "merge_attentions", "padding_mask",
     "resolve_implementation",
     "rotary_embedding", "split_heads", "whole_scores_fit",

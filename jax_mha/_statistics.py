@@ -1,0 +1,463 @@
+"""Per-head attention statistics without the weights: entropy, peak, received weight, lse.
+
+`attention_statistics` measures what an analysis usually reads off the `(B…, H, N, S)`
+weights (how spread each query's attention is, how much the strongest key takes, how
+much attention each key receives) in memory linear in N and S. Each query block makes
+two passes over the key blocks it may see (Milakov & Gimelshein 2018's online softmax,
+as in FlashAttention):
+
+1. the row maximum and normaliser, online, give `lse` (the log of the softmax
+   denominator, a sink included);
+2. each block's weights `p = exp(s - lse)` are recomputed exactly and reduced at once:
+   `entropy -= Σ p·(s - lse)` (so `log p` is never taken of a rounded `p`), the row
+   maximum of `p`, and the column sums of `p` into a `(B, H, S)` accumulator carried
+   from one query block to the next.
+
+Who may attend and the logits come from the one description (`jax_mha._masking`):
+`block_allowed` and `score_logits` evaluate it per block, `key_range` bounds each query
+block's key loop, and a block with no visible pair is skipped. GQA: query head `h`
+reads key head `h // (H // K)` inside a block's matmul; k is never repeated.
+
+Layout inside (`B` the flattened batch, `G = H // K`): q `(B, K, G, Np, D)`, k
+`(B, K, Sp, D)`, scores and mask/bias blocks `(B|1, H|1, bq, bk)`, rows `(B, H, bq)`;
+N and S are padded to whole blocks, and padded rows and keys never attend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_mha import _dispatch, _masking, _validate
+
+IMPLEMENTATIONS = ("auto", "xla", "blockwise")
+BLOCK_SIZE = 512  # default query and key block of the blockwise path
+BLOCK_ELEMENTS = 2**22  # the default query block halves (down to 64 rows) until B·H·bq·bk fits this
+
+
+class _Plan(NamedTuple):
+    """Static configuration of one call."""
+
+    n: int
+    s: int
+    n_pad: int
+    s_pad: int
+    heads: int
+    groups: int
+    q_block: int
+    k_block: int
+    scale: float
+    dtype: str  # "float32", or "float64" for float64 inputs
+
+
+def _rows_cols(plan: _Plan, i0, j0):
+    """int32 `(rows (bq, 1), cols (1, bk))` of one block."""
+    rows = i0 + lax.broadcasted_iota(jnp.int32, (plan.q_block, 1), 0)
+    cols = j0 + lax.broadcasted_iota(jnp.int32, (1, plan.k_block), 1)
+    return rows, cols
+
+
+def _pair_block(x, plan: _Plan, i0, j0):
+    """Rows `i0…` and keys `j0…` of a `(B|1, H|1, Np|1, Sp|1)` mask or bias."""
+    if x is None:
+        return None
+    if x.shape[2] != 1:
+        x = lax.dynamic_slice_in_dim(x, i0, plan.q_block, axis=2)
+    if x.shape[3] != 1:
+        x = lax.dynamic_slice_in_dim(x, j0, plan.k_block, axis=3)
+    return x
+
+
+def _allowed(plan: _Plan, vis: _masking.Visibility, i0, j0):
+    """bool `(B|1, H|1, bq, bk)` of one block (None: every pair), padding never."""
+    rows, cols = _rows_cols(plan, i0, j0)
+    segments = None
+    if vis.segmented:
+        segments = (lax.dynamic_slice_in_dim(vis.q_segment_ids, i0, plan.q_block, axis=2),
+                    lax.dynamic_slice_in_dim(vis.kv_segment_ids, j0, plan.k_block, axis=3))
+    heads = _masking.dense_heads(vis, 4)
+    allowed = _masking.block_allowed(vis, rows, cols, _pair_block(vis.mask, plan, i0, j0), 4, segments, heads)
+    if plan.n_pad != plan.n or plan.s_pad != plan.s:
+        inside = lax.broadcast_to_rank((rows < plan.n) & (cols < plan.s), 4)
+        allowed = inside if allowed is None else allowed & inside
+    return allowed
+
+
+def _logits(plan: _Plan, vis: _masking.Visibility, q_i, k, i0, j0, allowed):
+    """float `(B, H, bq, bk)`: scaled, biased, modded logits, `-inf` where not allowed."""
+    k_j = lax.dynamic_slice_in_dim(k, j0, plan.k_block, axis=2)
+    s = jnp.einsum("bkgqd,bkcd->bkgqc", q_i, k_j, preferred_element_type=jnp.dtype(plan.dtype))
+    s = s.reshape(s.shape[0], plan.heads, plan.q_block, plan.k_block) * jnp.asarray(plan.scale, plan.dtype)
+    bias = _pair_block(vis.bias, plan, i0, j0)
+    if bias is not None:
+        s = s + bias.astype(plan.dtype)
+    rows, cols = _rows_cols(plan, i0, j0)
+    s = _masking.score_logits(vis, s, _masking.dense_heads(vis, 4), rows, cols)
+    return s if allowed is None else jnp.where(allowed, s, -jnp.inf)
+
+
+def _key_blocks(plan: _Plan, vis: _masking.Visibility, i0):
+    """Key blocks `[lo, hi)` query rows `i0…` may see: by causality and the window
+    (`key_range`), past no sequence's `kv_lengths`, none for rows past every
+    `q_lengths`. A bound only: each block is still tested pair by pair."""
+    lo, hi = _masking.key_range(vis, i0, i0 + plan.q_block - 1, plan.s_pad)
+    lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+    if vis.kv_lengths is not None:
+        hi = jnp.minimum(hi, jnp.max(vis.kv_lengths))
+    if vis.q_lengths is not None:
+        hi = jnp.where(i0 >= jnp.max(vis.q_lengths), lo, hi)
+    lo, hi = lo // plan.k_block, (hi + plan.k_block - 1) // plan.k_block
+    return lo, jnp.maximum(hi, lo)
+
+
+def _over_keys(plan: _Plan, vis, i0, update, carry):
+    """`update(j0, allowed, carry) -> carry` over the key blocks of query rows `i0…`,
+    skipping those with no visible pair; one block (the whole keys) runs unlooped."""
+    def body(j, carry):
+        j0 = j * plan.k_block
+        allowed = _allowed(plan, vis, i0, j0)
+        if allowed is None:
+            return update(j0, None, carry)
+        return lax.cond(jnp.any(allowed), lambda c: update(j0, allowed, c), lambda c: c, carry)
+
+    if plan.s_pad == plan.k_block:
+        return body(0, carry)
+    lo, hi = _key_blocks(plan, vis, i0)
+    return lax.fori_loop(lo, hi, body, carry)
+
+
+def _first_pass(plan: _Plan, vis, q_i, k, bad_kv, i0):
+    """Online row maximum `m` and normaliser `l` over the real keys, and `touched`:
+    rows that may see a key in `bad_kv` (bool `(B, K, Sp)` or None); each `(B, H, bq)`."""
+    f = jnp.dtype(plan.dtype)
+
+    def update(j0, allowed, carry):
+        m, l, touched = carry
+        s = _logits(plan, vis, q_i, k, i0, j0, allowed)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no -inf - -inf on a row with nothing yet
+        l = l * jnp.exp(m - m_safe) + jnp.sum(jnp.exp(s - m_safe[..., None]), axis=-1)
+        if bad_kv is not None:
+            bad = jnp.repeat(lax.dynamic_slice_in_dim(bad_kv, j0, plan.k_block, axis=2), plan.groups, axis=1)
+            seen = bad[:, :, None, :] if allowed is None else allowed & bad[:, :, None, :]  # (B, H, bq, bk)
+            touched = touched | jnp.any(seen, axis=-1)
+        return m_new, l, touched
+
+    rows = (q_i.shape[0], plan.heads, plan.q_block)
+    init = (jnp.full(rows, -jnp.inf, f), jnp.zeros(rows, f), jnp.zeros(rows, bool))
+    return _over_keys(plan, vis, i0, update, init)
+
+
+def _second_pass(plan: _Plan, vis, q_i, k, lse, poisoned, received, i0):
+    """Entropy and maximum of each row's weights `p = exp(s - lse)` (`(B, H, bq)`), and
+    their column sums added into `received` `(B, H, Sp)`; a `poisoned` row adds NaN to
+    every key it may see."""
+    f = jnp.dtype(plan.dtype)
+    lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]  # a row without keys has p = 0 anyway
+
+    def update(j0, allowed, carry):
+        entropy, top, received = carry
+        s = _logits(plan, vis, q_i, k, i0, j0, allowed)
+        log_p = s - lse_safe
+        p = jnp.exp(log_p)  # 0 where masked
+        entropy = entropy - jnp.sum(jnp.where(p > 0, p * log_p, 0.0), axis=-1)  # select: 0·(-inf) never summed
+        top = jnp.maximum(top, jnp.max(p, axis=-1))
+        if poisoned is not None:
+            seen = poisoned[..., None] if allowed is None else poisoned[..., None] & allowed
+            p = jnp.where(seen, jnp.nan, p)
+        cols = lax.dynamic_slice_in_dim(received, j0, plan.k_block, axis=2) + jnp.sum(p, axis=-2)
+        return entropy, top, lax.dynamic_update_slice_in_dim(received, cols, j0, axis=2)
+
+    zeros = jnp.zeros(lse.shape, f)
+    return _over_keys(plan, vis, i0, update, (zeros, zeros, received))
+
+
+def _row_lse(plan: _Plan, vis, m, l, sinks, i0):
+    """`(lse, empty)` of rows `i0…` from the online `(m, l)`: `lse` folds in the sink
+    (`sinks (H,)` or None) and is -inf on a padding row (past `q_lengths`) and on a row
+    with neither a visible key nor a sink; `empty` marks rows with no visible key."""
+    empty = m == -jnp.inf
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+    if sinks is not None:
+        lse = jnp.logaddexp(lse, sinks.astype(plan.dtype)[None, :, None])
+    if vis.q_lengths is not None:
+        rows = lax.broadcast_to_rank(i0 + jnp.arange(plan.q_block, dtype=jnp.int32), 3)  # (1, 1, bq)
+        lse = jnp.where(rows < vis.q_lengths[..., 0], lse, -jnp.inf)
+    return lse, empty
+
+
+def _query_block(plan: _Plan, vis, q, k, bad_q, bad_kv, sinks, received, r):
+    """Both passes for query block `r`: `(received, (entropy, max_weight, lse))`, rows `(B, H, bq)`."""
+    i0 = r * plan.q_block
+    q_i = lax.dynamic_slice_in_dim(q, i0, plan.q_block, axis=3)  # (B, K, G, bq, D)
+    m, l, touched = _first_pass(plan, vis, q_i, k, bad_kv, i0)
+    lse, empty = _row_lse(plan, vis, m, l, sinks, i0)
+    poisoned = None
+    if bad_q is not None:
+        # As `attention`: a row with no visible key is never NaN (nor a padding row, which sees none).
+        poisoned = (touched | lax.dynamic_slice_in_dim(bad_q, i0, plan.q_block, axis=2)) & ~empty
+    entropy, top, received = _second_pass(plan, vis, q_i, k, lse, poisoned, received, i0)
+    if poisoned is not None:
+        entropy, top, lse = (jnp.where(poisoned, jnp.nan, x) for x in (entropy, top, lse))
+    return received, (entropy, top, lse)
+
+
+def _statistics(plan: _Plan, vis, q, k, bad_q, bad_kv, sinks):
+    """`(entropy, max_weight, lse (B, H, Np), received (B, H, Sp))` in the engine layout."""
+    received = jnp.zeros((q.shape[0], plan.heads, plan.s_pad), plan.dtype)
+    step = lambda carry, r: _query_block(plan, vis, q, k, bad_q, bad_kv, sinks, carry, r)
+    if plan.n_pad == plan.q_block:
+        received, rows = step(received, 0)
+        return (*rows, received)
+    received, rows = lax.scan(step, received, jnp.arange(plan.n_pad // plan.q_block, dtype=jnp.int32))
+    unblock = lambda x: jnp.moveaxis(x, 0, 2).reshape(x.shape[1:3] + (plan.n_pad,))  # (nr, B, H, bq) -> (B, H, Np)
+    return (*(unblock(x) for x in rows), received)
+
+
+# Compiled once per plan, description and shapes, so that eager calls reuse it.
+_statistics_jit = jax.jit(_statistics, static_argnums=0)
+
+
+# ---------------------------------------------------------------------------------
+# From the public layout to the engine's, and the public function.
+# ---------------------------------------------------------------------------------
+
+
+def _flat_batch(x, batch: tuple, tail: int):
+    """`(B…|1, …)` (rank `len(batch) + tail`, lower ranks padded with 1s in front) ->
+    `(B|1, …)`: the batch dims flattened, or one size-1 axis when they all broadcast."""
+    x = x.reshape((1,) * (len(batch) + tail - x.ndim) + x.shape)
+    rest = x.shape[len(batch):]
+    if all(d == 1 for d in x.shape[:len(batch)]):
+        return x.reshape((1,) + rest)
+    return jnp.broadcast_to(x, batch + rest).reshape((-1,) + rest)
+
+
+def _pad(x, axis: int, size: int, value):
+    """`x` padded at the end of `axis` to `size` (a size-1, broadcast axis left alone)."""
+    if x is None or x.shape[axis] in (1, size):
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _engine_description(vis: _masking.Visibility, batch: tuple, plan: _Plan) -> _masking.Visibility:
+    """The description with its arrays in the engine layout (batch flattened, N and S padded)."""
+    flat = lambda x, tail: None if x is None else _flat_batch(x, batch, tail)
+    return dataclasses.replace(
+        vis,
+        mask=_pad(_pad(flat(vis.mask, 3), 2, plan.n_pad, False), 3, plan.s_pad, False),
+        bias=_pad(_pad(flat(vis.bias, 3), 2, plan.n_pad, 0.0), 3, plan.s_pad, 0.0),
+        q_lengths=flat(vis.q_lengths, 3), kv_lengths=flat(vis.kv_lengths, 3),
+        q_segment_ids=_pad(flat(vis.q_segment_ids, 3), 2, plan.n_pad, 0),
+        kv_segment_ids=_pad(flat(vis.kv_segment_ids, 3), 3, plan.s_pad, 0),
+        batch_shape=(math.prod(batch),),
+    )
+
+
+def _check_sinks(sinks, heads: int):
+    """`sinks` as an array `(H,)`, or None.
+
+    Raises:
+      TypeError: for a non-floating dtype. ValueError: for another shape.
+    """
+    if sinks is None:
+        return None
+    sinks = jnp.asarray(sinks)
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise _validate.DTypeError(f"sinks must be floating (one logit per query head), got dtype {sinks.dtype}")
+    if sinks.shape != (heads,):
+        raise ValueError(f"sinks must have shape (H,) = ({heads},), one logit per query head, got {sinks.shape}")
+    return sinks
+
+
+def _check_blocks(implementation, query_block_size, key_block_size) -> str:
+    """The implementation name (None is "auto"), the block sizes checked.
+
+    Raises:
+      ValueError: for an unknown name or a block size below 1. TypeError: for a non-int size.
+    """
+    implementation = "auto" if implementation is None else implementation
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    for name, size in (("query_block_size", query_block_size), ("key_block_size", key_block_size)):
+        if size is not None and _validate.as_index(name, size) < 1:
+            raise ValueError(f"{name} must be >= 1, got {size}")
+    return implementation
+
+
+def _blocks(path: str, n: int, s: int, rows: int, query_block_size, key_block_size) -> tuple[int, int]:
+    """`(q_block, k_block)`: the whole N x S for "xla"; for "blockwise" the sizes given,
+    else `BLOCK_SIZE` square blocks, the query block halved (not below 64) while the
+    `rows` (B·H) score blocks hold more than `BLOCK_ELEMENTS`; clamped to N and S."""
+    if path == "xla":
+        return n, s
+    k_block = min(s, BLOCK_SIZE if key_block_size is None else int(key_block_size))
+    if query_block_size is not None:
+        return min(n, int(query_block_size)), k_block
+    q_block = BLOCK_SIZE
+    while q_block > 64 and rows * q_block * k_block > BLOCK_ELEMENTS:
+        q_block //= 2
+    return min(n, q_block), k_block
+
+
+def _empty_result(q, k, vis, sinks, dtype) -> dict:
+    """The statistics when N, S or the batch is empty: no weights, so zeros; `lse`
+    the sink (or -inf) on every row, -inf past `q_lengths`."""
+    batch, (h, n), s = q.shape[:-3], q.shape[-3:-1], k.shape[-2]
+    rows = batch + (h, n)
+    lse = jnp.full(rows, -jnp.inf, dtype)
+    if sinks is not None:
+        lse = jnp.broadcast_to(sinks.astype(dtype)[:, None], rows)
+    if vis.q_lengths is not None:
+        inside = lax.broadcast_to_rank(jnp.arange(n, dtype=jnp.int32), len(rows)) < vis.q_lengths[..., 0]
+        lse = jnp.where(inside, lse, -jnp.inf)
+    zeros = jnp.zeros(rows, dtype)
+    return {"entropy": zeros, "max_weight": zeros, "received": jnp.zeros(batch + (h, s), dtype), "lse": lse}
+
+
+def _run(path, q, k, v, vis, sinks, scale, blocks) -> dict:
+    """`path` ("xla" or "blockwise") on validated inputs; the public layout in and out."""
+    batch, (heads, n, d), (kv_heads, s) = q.shape[:-3], q.shape[-3:], k.shape[-3:-1]
+    b = math.prod(batch)
+    dtype = _masking.compute_dtype(q.dtype)
+    q, k, v, bad_q, bad_kv = _dispatch.sanitize(q, k, v)
+    q_block, k_block = _blocks(path, n, s, b * heads, *blocks)
+    plan = _Plan(n, s, -(-n // q_block) * q_block, -(-s // k_block) * k_block, heads, heads // kv_heads, q_block,
+                 k_block, float(scale), dtype.name)
+    q_e = _pad(q.reshape(b, kv_heads, plan.groups, n, d), 3, plan.n_pad, 0)  # (B, K, G, Np, D)
+    k_e = _pad(k.reshape(b, kv_heads, s, d), 2, plan.s_pad, 0)  # (B, K, Sp, D)
+    bad_q = _pad(bad_q.reshape(b, heads, n), 2, plan.n_pad, False)  # (B, H, Np)
+    bad_kv = _pad(bad_kv.reshape(b, kv_heads, s), 2, plan.s_pad, False)  # (B, K, Sp)
+    entropy, top, lse, received = _statistics_jit(plan, _engine_description(vis, batch, plan), q_e, k_e, bad_q,
+                                                  bad_kv, sinks)
+    rows = lambda x: x[..., :n].reshape(batch + (heads, n))
+    return {"entropy": rows(entropy), "max_weight": rows(top), "received": received[..., :s].reshape(
+        batch + (heads, s)), "lse": rows(lse)}
+
+
+def attention_statistics(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    local_window_size: int | tuple[int | None, int | None] | None = None,
+    q_lengths: jax.Array | None = None,
+    kv_lengths: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
+    implementation: str | None = "auto",
+    query_block_size: int | None = None,
+    key_block_size: int | None = None,
+) -> dict[str, jax.Array]:
+    """Per-head statistics of the attention weights, without building them on the
+    blockwise path.
+
+    The weights are those of `jax_mha.attention` with the same arguments (`w = softmax`
+    over the visible keys, `empty_rows="zero"`); the statistics equal what one would
+    compute from `attention(..., return_weights=True)`: `attention_entropy(w)`,
+    `w.max(-1)`, `w.sum(-2)`, and the log of the softmax denominator. On the blockwise
+    path no `(N, S)` array exists: memory is `O(B·H·(N + S) + B·H·q_block·k_block)`
+    besides the inputs (measured in docs/performance.md, "Head statistics at long
+    context"), and key blocks that causality, the window or the lengths rule out are
+    not computed.
+
+    With `sinks` (gpt-oss's attention sinks), each head's softmax also has a virtual key
+    of logit `sinks[h]` (in the scaled-logit space) and value zero: the weights of the
+    real keys are `exp(s_j - lse)` with the sink in `lse`, so they sum to
+    `1 - exp(sinks[h] - lse)`. `entropy`, `max_weight` and `received` are over the real
+    keys only: `entropy = -Σ_j w_j log w_j` of those weights (not renormalised; the
+    sink's own term `-w_sink log w_sink` is not included), so it equals
+    `attention_entropy` of the weights `attention` returns with the same sinks. The
+    sink's weight of a row is `exp(sinks[h] - lse)`.
+
+    Rows: a row with no visible key has entropy 0, max_weight 0, and lse `-inf`
+    (`sinks[h]` with sinks: the sink takes all its weight). A row past `q_lengths` is
+    padding, not a query: its statistics are 0, lse `-inf` even with sinks, and it adds
+    nothing to `received`. Non-finite inputs, as in `attention`: a row that may attend
+    to a key or value with a NaN or infinite entry, or whose own query has one, gets NaN
+    entropy, max_weight and lse, and adds NaN to `received` of every key it may attend
+    (and only those); rows without a visible key are never NaN; every other number is
+    exactly what it would be without the bad entries.
+
+    Not differentiable: the outputs are measurements. q, k, v, `bias` and `sinks` pass
+    through `jax.lax.stop_gradient`, so the statistics can be computed inside a
+    differentiated function (e.g. logged from a training step) and carry zero gradient;
+    values a `score_mod` closes over are not stopped, and differentiating through them
+    is unsupported. Works under `jax.jit` and `jax.vmap`.
+
+    Args:
+      q: `(B…, H, N, D)` queries, real floating point.
+      k: `(B…, K, S, D)` keys, `H % K == 0`; query head `h` reads key head
+        `h // (H // K)` (GQA), inside each block's matmul, never repeated.
+      v: `(B…, K, S, Dv)` values: the weights do not depend on them, but a row that may
+        attend to a non-finite value is NaN, as in `attention`.
+      mask: bool broadcastable to `(B…, H, N, S)`, True = may attend.
+      bias: float broadcastable to `(B…, H, N, S)`, added to the scaled logits.
+      is_causal: the causal pattern, as for `jax_mha.attention` (query `i` at key
+        position `i + S - N`).
+      scale: the logit scale (a static number), default `1/sqrt(D)`.
+      local_window_size: `(left, right)` or an int, as for `jax_mha.attention`.
+      q_lengths: int broadcastable to `(B…)`: valid queries per sequence; the rows
+        past it are padding.
+      kv_lengths: int broadcastable to `(B…)`: valid keys per sequence.
+      q_segment_ids: int `(B…, N)`: packed sequences, as for `jax_mha.attention`.
+      kv_segment_ids: int `(B…, S)`; defaults to `q_segment_ids` when N == S.
+      score_mod: `score_mod(score, batch, head, q_idx, kv_idx) -> score`, or None.
+      mask_mod: `mask_mod(batch, head, q_idx, kv_idx) -> bool`, or None.
+      logits_soft_cap: `c > 0`: logits become `c · tanh(logits / c)`, or None.
+      sinks: float `(H,)`, one sink logit per query head, or None (no sink).
+      implementation: `"xla"` (the whole `(B…, H, N, S)` scores in one block),
+        `"blockwise"` (query blocks x key blocks, memory linear in N and S), or
+        `"auto"`/None: `"xla"` while the whole scores fit
+        `jax_mha._dispatch.whole_scores_fit`, else `"blockwise"`.
+      query_block_size: the blockwise path's query block (None: 512, halved down to 64
+        while `B·H·q_block·k_block` exceeds 2**22 elements); ignored by `"xla"`.
+      key_block_size: the blockwise path's key block (None: 512); ignored by `"xla"`.
+
+    Returns:
+      A dict of float32 arrays (float64 for float64 inputs):
+        `entropy` `(B…, H, N)`: nats, `-Σ_j w_j log w_j` with `0·log 0 = 0`;
+        `max_weight` `(B…, H, N)`: the largest weight of each row;
+        `received` `(B…, H, S)`: the weight each key receives, summed over queries;
+        `lse` `(B…, H, N)`: the natural log of each row's softmax denominator, the
+        sink included.
+
+    Raises:
+      TypeError: as `attention` (integer, complex or mixed dtypes, a non-boolean mask,
+        bad lengths, ids or mods, ...); non-floating `sinks`; a non-int block size.
+      ValueError: as `attention` for shapes that do not fit; `sinks` not of shape
+        `(H,)`; an unknown implementation; a block size below 1.
+    """
+    path = _check_blocks(implementation, query_block_size, key_block_size)
+    q, k, v = (lax.stop_gradient(jnp.asarray(x)) for x in (q, k, v))
+    bias = None if bias is None else lax.stop_gradient(jnp.asarray(bias))
+    vis = _validate.describe(q, k, v, mask, bias, is_causal=is_causal, local_window_size=local_window_size,
+                             q_lengths=q_lengths, kv_lengths=kv_lengths, q_segment_ids=q_segment_ids,
+                             kv_segment_ids=kv_segment_ids, score_mod=score_mod, mask_mod=mask_mod,
+                             logits_soft_cap=logits_soft_cap)
+    scale = _validate.check_options(scale, 0.0, None, True, "zero", is_causal, q.shape[-1])
+    sinks = _check_sinks(sinks, q.shape[-3])
+    sinks = None if sinks is None else lax.stop_gradient(sinks)
+    if path == "auto":
+        path = "xla" if _dispatch.whole_scores_fit(q, k) else "blockwise"
+    if q.shape[-2] == 0 or k.shape[-2] == 0 or 0 in q.shape[:-3]:
+        return _empty_result(q, k, vis, sinks, _masking.compute_dtype(q.dtype))
+    return _run(path, q, k, v, vis, sinks, scale, (query_block_size, key_block_size))
+
+
+__all__ = ["IMPLEMENTATIONS", "attention_statistics"]
