@@ -1,127 +1,327 @@
-"""Accelerator benchmark: every attention path that exists on this platform, forward and
-forward+backward, over a grid of (B, N, H, D, dtype) with packed sequences (8 documents
-per row as segment ids), as % of this device's measured matmul roofline.
+"""Accelerator benchmark: every jax_mha attention path this platform compiles, jax.nn's
+dot_product_attention ("cudnn" and "xla") and PyTorch's SDPA (when torch with CUDA is
+installed), forward and forward+backward, causal and causal with 8 packed documents.
 
-    python -m experiments.device_benchmark            # the full grid (GPU/TPU)
-    python -m experiments.device_benchmark --smoke    # one tiny size (all that runs on CPU)
+    python -m experiments.device_benchmark --preset quick   # B=8, H=16, N 1k/4k/16k, D 64/128, bf16
+    python -m experiments.device_benchmark --preset full    # more sizes and float32 (no budget)
+    python -m experiments.device_benchmark --smoke          # one tiny size: the only thing run on CPU
 
-Paths: xla and blockwise everywhere; cudnn and pallas_gpu on GPU; pallas_tpu on TPU.
-Pallas paths are never timed in interpret mode (on CPU they are skipped): interpret
-mode is a correctness tool. Results go to JSON (atomic write) with the device named.
+`--preset quick` is meant to finish within 8 minutes on one H100 including compilation
+(an estimate: it has not run on one yet), and stops early with what it has when
+`--budget` seconds (default 420) run out. Pallas paths are never timed in interpret
+mode (on CPU they are not run). A call a path refuses (its `refusal`, as `"auto"` reads it) is recorded with the reason, untimed;
+one that fails (out of memory, a kernel error) with its error.
+
+FLOPs count the visible pairs only: causal N(N+1)/2 per head, 8 packed causal documents
+of d = N/8 tokens 8·d(d+1)/2, times 4·D forward (two matmuls) and 3.5x that for
+forward+backward (FlashAttention-2's count). TFLOP/s is given as a % of the device's
+dense bfloat16 spec peak where the device kind is known (`PEAK_TFLOPS`). Results:
+JSON (atomic) and a figure, both naming the device.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import itertools
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import median_seconds, run_metadata, write_json
-from jax_mha import functional
+from experiments.common import median_seconds, run_metadata, save_figure, use_agg_backend, write_json
+from jax_mha import _dispatch, functional
+from jax_mha._validate import describe
 
-FULL = dict(batch=(1, 8), seq=(1024, 4096, 16384, 32768), heads=(8, 32), head_dim=(64, 128),
-            dtype=("float32", "bfloat16"))
-SMOKE = dict(batch=(1,), seq=(256,), heads=(2,), head_dim=(64,), dtype=("float32",))
-DOCS_PER_ROW = 8
-
-
-def paths_for(platform: str) -> list[str]:
-    """The paths that run natively on `platform` (interpret-mode kernels excluded)."""
-    paths = ["xla", "blockwise"]
-    if platform == "gpu":
-        paths += ["cudnn", "pallas_gpu"]
-    if platform == "tpu":
-        paths += ["pallas_tpu"]
-    return paths
+DOCS = 8  # packed documents per row in the "packed" mask
+# Dense bfloat16 tensor-core peak from the vendors' spec sheets, TFLOP/s, by device kind
+# (`jax.devices()[0].device_kind`); the first pattern the kind contains wins.
+PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0),
+               ("TPU v5 lite", 197.0), ("TPU v5e", 197.0))
+# jax.nn's "xla" builds the float32 (B, H, N, S) scores; beyond this many bytes it is not run.
+XLA_SCORES_MAX_BYTES = 16 * 2**30
 
 
-def matmul_roofline(dtype: str, size: int = 8192, repeats: int = 5) -> float:
-    """FLOP/s of one big square matmul on this device: the roofline the table divides by."""
-    a = jnp.ones((size, size), dtype)
-    f = jax.jit(lambda a: a @ a)
-    sec, _ = median_seconds(lambda: f(a).block_until_ready(), warmup=2, repeats=repeats)
-    return 2 * size**3 / sec
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """One preset: every combination of its sizes is one case."""
+
+    batch: tuple = (8,)  # B: a training batch, so that short sequences still give the device work
+    heads: tuple = (16,)  # H = K (no GQA: every compared kernel takes it the same way)
+    seq: tuple = (1024, 4096, 16384)  # N = S
+    head_dim: tuple = (64, 128)  # the two head sizes of current models
+    dtype: tuple = ("bfloat16",)  # what training runs in; cuDNN takes no float32
+    masks: tuple = ("causal", "packed")
+    budget: float | None = 420.0  # seconds before the run stops with what it has: 8 minutes with margin
+    repeats: int = 3  # timed calls per measurement, after one compiling call
 
 
-def _segment_ids(batch: int, n: int) -> jax.Array:
-    ids = np.minimum(np.arange(n) * DOCS_PER_ROW // n, DOCS_PER_ROW - 1).astype(np.int32)
-    return jnp.broadcast_to(jnp.asarray(ids), (batch, n))
+PRESETS = {
+    "smoke": Grid(batch=(1,), heads=(2,), seq=(128,), head_dim=(64,), dtype=("float32",), budget=None, repeats=2),
+    "quick": Grid(),
+    "full": Grid(batch=(1, 8), heads=(8, 32), seq=(1024, 4096, 16384, 32768), dtype=("bfloat16", "float32"),
+                 budget=None, repeats=5),
+}
 
 
-def make_call(path: str, seg: jax.Array):
-    """`f(q, k, v) -> out` for one path, causal with packed segment ids (a kernel
-    path compiles on its own platform: `attention` interprets only elsewhere)."""
-    return lambda q, k, v: functional.attention(q, k, v, is_causal=True, implementation=path, q_segment_ids=seg,
-                                                kv_segment_ids=seg)
+def paths_for(platform: str, dtype: str = "float32") -> list[str]:
+    """The jax_mha paths compiled natively on `platform` (interpret mode excluded).
+    `"xla"` only for float32: in half precision it runs the blockwise engine with the
+    same blocks as `"blockwise"`."""
+    paths = (["xla"] if dtype == "float32" else []) + ["blockwise"]
+    return paths + {"gpu": ["cudnn", "pallas_gpu"], "tpu": ["pallas_tpu"]}.get(platform, [])
 
 
-def attention_flops(b, h, n, d, backward: bool) -> float:
-    """Causal: half of the 4·B·H·N²·D forward FLOPs; backward is 2.5x forward (FA2's count)."""
-    fwd = 4 * b * h * n * n * d / 2
+def visible_pairs(n: int, mask: str) -> int:
+    """(query, key) pairs one head computes: causal N(N+1)/2; `DOCS` packed causal
+    documents of d = N / DOCS tokens, DOCS · d(d+1)/2 (N a multiple of DOCS)."""
+    if mask == "causal":
+        return n * (n + 1) // 2
+    d = n // DOCS
+    return DOCS * d * (d + 1) // 2
+
+
+def attention_flops(b: int, h: int, n: int, d: int, mask: str, backward: bool) -> float:
+    """4·D per visible pair forward (q·k and p·v); forward+backward 3.5x forward."""
+    fwd = 4.0 * b * h * visible_pairs(n, mask) * d
     return fwd * (3.5 if backward else 1.0)
 
 
-def run(grid: dict, warmup: int, repeats: int) -> dict:
-    platform = jax.default_backend()
-    rows, roof = [], {}
-    for b, n, h, d, dt in itertools.product(*(grid[k] for k in ("batch", "seq", "heads", "head_dim", "dtype"))):
-        if dt not in roof:
-            roof[dt] = matmul_roofline(dt, size=8192 if platform != "cpu" else 512)
-        key = jax.random.split(jax.random.key(0), 3)
-        q, k, v = (jax.random.normal(kk, (b, h, n, d), dt) for kk in key)
-        seg = _segment_ids(b, n)
-        for path in paths_for(platform):
-            call = make_call(path, seg)
-            fwd = jax.jit(call)
-            fb = jax.jit(jax.grad(lambda q, k, v: call(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
-            row = dict(path=path, batch=b, seq=n, heads=h, head_dim=d, dtype=dt)
-            for name, f, back in (("forward", fwd, False), ("forward_backward", fb, True)):
-                try:
-                    sec, _ = median_seconds(lambda: jax.block_until_ready(f(q, k, v)), warmup, repeats)
-                except Exception as e:  # a path that refuses the size/dtype (e.g. cudnn float32), or OOM
-                    row[name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
-                    continue
-                flops = attention_flops(b, h, n, d, back)
-                row[name] = dict(ms=sec * 1e3, tflops=flops / sec / 1e12, roofline_pct=100 * flops / sec / roof[dt])
+def peak_tflops(device_kind: str) -> float | None:
+    """The dense bfloat16 spec peak of this device kind, or None when unknown."""
+    return next((peak for pattern, peak in PEAK_TFLOPS if pattern in device_kind), None)
+
+
+def segment_ids(b: int, n: int) -> np.ndarray:
+    """int32 `(B, N)`: `DOCS` documents of N / DOCS tokens each, packed in every row."""
+    return np.broadcast_to(np.repeat(np.arange(DOCS, dtype=np.int32), -(-n // DOCS))[:n], (b, n)).copy()
+
+
+def implementations(platform: str, dtype: str) -> list[str]:
+    """Every implementation timed here, `"library:name"`."""
+    names = [f"jax_mha:{p}" for p in paths_for(platform, dtype)] + ["jax.nn:xla"]
+    if platform == "gpu":
+        names.insert(len(names) - 1, "jax.nn:cudnn")
+        if importlib.util.find_spec("torch") is not None:
+            names.append("torch:sdpa")
+    return names
+
+
+def case_arrays(b: int, h: int, n: int, d: int, dtype: str) -> dict:
+    """q, k, v `(B, H, N, D)` for jax_mha, the same transposed to jax.nn's
+    `(B, N, H, D)`, and the packed documents' ids `(B, N)`."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    bhnd = tuple(jax.random.normal(key, (b, h, n, d), dtype) for key in keys)
+    bnhd = tuple(jnp.swapaxes(x, 1, 2) for x in bhnd)
+    return dict(bhnd=bhnd, bnhd=bnhd, ids=jnp.asarray(segment_ids(b, n)))
+
+
+def jax_function(name: str, case: dict, arrays: dict):
+    """`(f(q, k, v, ids) -> out, layout)` for one JAX implementation, or
+    `(None, reason)` when it refuses this case or is not run at this size."""
+    library, impl = name.split(":")
+    b, h, n, dtype = case["batch"], case["heads"], case["seq"], case["dtype"]
+    packed = case["mask"] == "packed"
+    if library == "jax_mha":
+        q, k, v = arrays["bhnd"]
+        ids = np.asarray(arrays["ids"]) if packed else None
+        try:  # the path's own refusal, as "auto" reads it
+            functional.resolve_implementation(q, k, v, describe(q, k, v, is_causal=True, q_segment_ids=ids),
+                                              implementation=impl)
+        except ValueError as e:
+            return None, f"refused: {e}"
+        return (lambda q, k, v, ids: functional.attention(
+            q, k, v, is_causal=True, q_segment_ids=ids if packed else None, implementation=impl)), "bhnd"
+    if impl == "cudnn" and dtype not in ("bfloat16", "float16"):
+        return None, f"skipped: jax.nn's cuDNN call takes float16/bfloat16 only, not {dtype}"
+    if impl == "xla" and 4 * b * h * n * n > XLA_SCORES_MAX_BYTES:
+        return None, f"skipped: jax.nn's xla path would build {4 * b * h * n * n / 2**30:.0f} GiB of float32 scores"
+
+    def f(q, k, v, ids):  # (B, N, H, D); the packed documents as a dense (B, 1, N, N) mask
+        mask = (ids[:, None, :, None] == ids[:, None, None, :]) if packed else None
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
+
+    return f, "bnhd"
+
+
+def time_jax(f, args, backward: bool, repeats: int) -> tuple[float, float]:
+    """`(median seconds, first call seconds)` of `f` (or its gradient) under jit."""
+    if backward:
+        loss = lambda q, k, v, ids: jnp.sum(f(q, k, v, ids).astype(jnp.float32))
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    else:
+        step = jax.jit(f)
+    return median_seconds(lambda: jax.block_until_ready(step(*args)), warmup=1, repeats=repeats)
+
+
+def time_torch(case: dict, backward: bool, repeats: int) -> tuple[float, float]:
+    """The same as `time_jax` for PyTorch's scaled_dot_product_attention on CUDA; the
+    packed documents as a dense (N, N) boolean mask (SDPA has no segment ids)."""
+    import torch
+    import torch.nn.functional as F
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("torch has no CUDA device here")
+    b, h, n, d = case["batch"], case["heads"], case["seq"], case["head_dim"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=getattr(torch, case["dtype"]), generator=gen,
+                           requires_grad=backward) for _ in range(3))
+    kw = dict(is_causal=True)
+    if case["mask"] == "packed":
+        ids, pos = torch.as_tensor(segment_ids(1, n)[0], device="cuda"), torch.arange(n, device="cuda")
+        kw = dict(attn_mask=(ids[:, None] == ids[None, :]) & (pos[None, :] <= pos[:, None]))
+
+    def step():
+        with torch.set_grad_enabled(backward):
+            out = F.scaled_dot_product_attention(q, k, v, **kw)
+            if backward:
+                out.float().sum().backward()
+        torch.cuda.synchronize()
+
+    return median_seconds(step, warmup=1, repeats=repeats)
+
+
+def measure(name: str, case: dict, arrays: dict, backward: bool, repeats: int, peak: float | None) -> dict:
+    """One pass of one implementation: `{ms, first_call_s, tflops, peak_pct}`, or
+    `{refused | skipped | error: reason}`."""
+    try:
+        if name == "torch:sdpa":
+            sec, first = time_torch(case, backward, repeats)
+        else:
+            f, layout = jax_function(name, case, arrays)
+            if f is None:
+                kind, reason = layout.split(": ", 1)
+                return {kind: reason}
+            sec, first = time_jax(f, (*arrays[layout], arrays["ids"]), backward, repeats)
+    except Exception as e:  # out of memory, a kernel that fails to compile: recorded, the run goes on
+        return dict(error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}")
+    flops = attention_flops(case["batch"], case["heads"], case["seq"], case["head_dim"], case["mask"], backward)
+    tflops = flops / sec / 1e12
+    half = case["dtype"] in ("bfloat16", "float16")
+    return dict(ms=sec * 1e3, first_call_s=first, tflops=tflops,
+                peak_pct=100 * tflops / peak if peak is not None and half else None)
+
+
+def cases(grid: Grid):
+    """Every case of `grid`, smallest N first (what a budget cut leaves out is the largest)."""
+    for n, b, h, d, dtype, mask in itertools.product(grid.seq, grid.batch, grid.heads, grid.head_dim, grid.dtype,
+                                                      grid.masks):
+        yield dict(mask=mask, batch=b, heads=h, seq=n, head_dim=d, dtype=dtype)
+
+
+def auto_choice(case: dict, arrays: dict) -> str:
+    """The path `implementation="auto"` takes for this case."""
+    q, k, v = arrays["bhnd"]
+    ids = np.asarray(arrays["ids"]) if case["mask"] == "packed" else None
+    return functional.resolve_implementation(q, k, v, describe(q, k, v, is_causal=True, q_segment_ids=ids))
+
+
+def run(grid: Grid, budget: float | None) -> dict:
+    """Times every implementation on every case of `grid` until `budget` seconds
+    (None: no limit) have passed; a pass not reached is recorded as skipped."""
+    platform, kind = _dispatch.platform(), str(jax.devices()[0].device_kind)
+    peak, start, rows, auto, stopped = peak_tflops(kind), time.monotonic(), [], [], False
+    for case in cases(grid):
+        if stopped:
+            break
+        arrays = case_arrays(case["batch"], case["heads"], case["seq"], case["head_dim"], case["dtype"])
+        auto.append({**case, "chosen": auto_choice(case, arrays)})
+        for name in implementations(platform, case["dtype"]):
+            row = {"impl": name, **case}
+            for pass_name, backward in (("forward", False), ("forward_backward", True)):
+                stopped = stopped or (budget is not None and time.monotonic() - start > budget)
+                row[pass_name] = (dict(skipped=f"the budget of {budget:g} s ran out") if stopped
+                                  else measure(name, case, arrays, backward, grid.repeats, peak))
             rows.append(row)
-            print(_format(row), flush=True)
-    return dict(device=str(jax.devices()[0].device_kind), platform=platform,
-                matmul_roofline_tflops={k: v / 1e12 for k, v in roof.items()}, rows=rows,
-                docs_per_row=DOCS_PER_ROW, causal=True, metadata=run_metadata(), time=time.time())
+            print(format_row(row), flush=True)
+        del arrays
+    return dict(device=kind, platform=platform, peak_bf16_tflops=peak, rows=rows, auto=auto, docs_per_row=DOCS,
+                causal=True, budget_s=budget, stopped_early=stopped, seconds=time.monotonic() - start,
+                grid=dataclasses.asdict(grid), metadata=run_metadata(), time=time.time())
 
 
-def _format(row: dict) -> str:
-    head = f"{row['path']:<11} B={row['batch']} N={row['seq']:<6} H={row['heads']:<3} D={row['head_dim']:<4} {row['dtype']:<9}"
+def format_row(row: dict) -> str:
+    head = (f"{row['impl']:<18} {row['mask']:<6} B={row['batch']} H={row['heads']:<3} N={row['seq']:<6} "
+            f"D={row['head_dim']:<4} {row['dtype']:<9}")
     cells = []
     for name in ("forward", "forward_backward"):
         r = row[name]
-        cells.append(f"{name}: " + (r["error"][:60] if "error" in r else f"{r['ms']:9.3f} ms {r['roofline_pct']:5.1f}%"))
+        if "ms" in r:
+            pct = "" if r["peak_pct"] is None else f" {r['peak_pct']:5.1f}% of peak"
+            cells.append(f"{name}: {r['ms']:9.3f} ms {r['tflops']:8.3g} TFLOP/s{pct}")
+        else:
+            kind = next(iter(r))
+            cells.append(f"{name}: {kind}: {r[kind][:70]}")
     return head + " | " + " | ".join(cells)
+
+
+def plot(result: dict):
+    """TFLOP/s against N: one panel per pass and mask, one line per implementation
+    and head_dim (the largest batch, heads and the first dtype of the grid)."""
+    import matplotlib.pyplot as plt
+
+    grid = result["grid"]
+    b, h, dtype = max(grid["batch"]), max(grid["heads"]), grid["dtype"][0]
+    fig, axes = plt.subplots(2, len(grid["masks"]), figsize=(6 * len(grid["masks"]), 8), squeeze=False,
+                             layout="constrained")
+    names = sorted({r["impl"] for r in result["rows"]})
+    colors = dict(zip(names, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3))
+    for (i, pass_name), (j, mask) in itertools.product(enumerate(("forward", "forward_backward")),
+                                                       enumerate(grid["masks"])):
+        ax = axes[i, j]
+        for name, d in itertools.product(names, grid["head_dim"]):
+            pts = sorted((r["seq"], r[pass_name]["tflops"]) for r in result["rows"]
+                         if (r["impl"], r["head_dim"], r["mask"], r["batch"], r["heads"], r["dtype"]) ==
+                         (name, d, mask, b, h, dtype) and "tflops" in r[pass_name])
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=colors[name], linestyle="-" if d == max(grid["head_dim"]) else "--",
+                        label=f"{name}, D={d}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length N (= S)")
+        ax.set_ylabel("TFLOP/s (visible pairs only)")
+        ax.set_title(f"{pass_name.replace('_', ' + ')}, {mask}{' (8 documents)' if mask == 'packed' else ''}")
+        ax.grid(alpha=0.3)
+    if axes[0, -1].get_legend_handles_labels()[0]:
+        axes[0, -1].legend(fontsize=7, loc="best")
+    peak = result["peak_bf16_tflops"]
+    fig.suptitle(f"Attention on {result['device']} ({result['platform']}): B={b}, H={h}, {dtype}"
+                 + (f"; spec peak {peak:g} TFLOP/s" if peak else "")
+                 + (" — stopped early (budget)" if result["stopped_early"] else ""))
+    return fig
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m experiments.device_benchmark", description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="one tiny size (the only thing run on CPU)")
-    p.add_argument("--out", default=None, help="JSON path (default results/device_benchmark[_smoke].json)")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="quick", help="the grid (default: quick)")
+    p.add_argument("--smoke", action="store_true", help="the same as --preset smoke: seconds, the only preset on CPU")
+    p.add_argument("--budget", type=float, default=None, help="stop after this many seconds (default: the preset's)")
+    p.add_argument("--out", default=None, help="JSON path (default results/device_benchmark_PRESET.json)")
+    p.add_argument("--figure", default=None, help="PNG path (default: the JSON path with .png)")
     args = p.parse_args(argv)
-    if args.repeats < 1:
-        p.error(f"--repeats must be >= 1, got {args.repeats}")
-    platform = jax.default_backend()
-    if platform == "cpu" and not args.smoke:
-        p.error("on CPU only --smoke runs (the full grid is for GPUs and TPUs)")
-    print(f"device: {jax.devices()[0].device_kind} ({platform}); paths: {', '.join(paths_for(platform))}")
-    result = run(SMOKE if args.smoke else FULL, warmup=2, repeats=args.repeats)
-    result["smoke"] = args.smoke
-    print("matmul roofline: " + ", ".join(f"{k} {v:.2f} TFLOP/s" for k, v in result["matmul_roofline_tflops"].items()))
-    out = args.out or f"results/device_benchmark{'_smoke' if args.smoke else ''}.json"
+    preset = "smoke" if args.smoke else args.preset
+    grid = PRESETS[preset]
+    budget = grid.budget if args.budget is None else args.budget
+    if budget is not None and budget < 0:
+        p.error(f"--budget must be >= 0 seconds, got {budget:g}")
+    platform = _dispatch.platform()
+    if platform == "cpu" and preset != "smoke":
+        p.error(f"on CPU only --smoke runs (--preset {preset} is for GPUs and TPUs)")
+    print(f"device: {jax.devices()[0].device_kind} ({platform}); "
+          f"implementations: {', '.join(implementations(platform, grid.dtype[0]))}")
+    result = run(grid, budget)
+    result["preset"] = preset
+    out = Path(args.out or f"results/device_benchmark_{preset}.json")
     write_json(out, result)
-    print(f"wrote {out}")
+    print(f"wrote {out}" + (" (stopped early: the budget ran out)" if result["stopped_early"] else ""))
+    if importlib.util.find_spec("matplotlib") is not None:
+        use_agg_backend()
+        figure = Path(args.figure or out.with_suffix(".png"))
+        save_figure(plot(result), figure)
+        print(f"wrote {figure}")
     return result
 
 

@@ -34,8 +34,7 @@ import numpy as np
 
 from experiments import common
 from experiments.common_tables import table
-from jax_mha import attention
-from jax_mha import attention_statistics
+from jax_mha import attention, attention_statistics
 from jax_mha.lab.models import Decoder, ModelConfig
 from jax_mha.lab.text import TextTaskConfig, bits_per_character
 from jax_mha.lab.train import TrainConfig, train_seeds

@@ -1,81 +1,198 @@
 """The `"cudnn"` path: the visibility description translated to the arguments of
 `jax.nn.dot_product_attention(implementation="cudnn")`, cuDNN's fused kernel (GPU).
 
-jax.nn aligns `is_causal` and `local_window_size` top-left; ours are bottom-right
-(`jax_mha._masking`). They agree when N == S; otherwise the pattern goes in as an
-explicit mask. Like jax.nn's cuDNN kernel this path has a custom VJP only: reverse
-mode (`grad`, `vjp`), no `jvp`/`jacfwd`; use `"xla"` or `"blockwise"` for those.
-A `mask_mod` goes in evaluated into that dense mask (as segment ids do); `score_mod`
-and `logits_soft_cap` cuDNN cannot express: `attention` refuses them by name.
+What jax.nn's cuDNN call takes natively (`jax/_src/nn/functions.py`,
+`jax/_src/cudnn/fused_attention_stablehlo.py`): float16/bfloat16, head_dim a multiple
+of 8 up to 128 (256 from Hopper on), GQA, per-sequence lengths, the causal mask and a
+left-only sliding window, both aligned top-left; anything else only as one dense
+`(B, H, N, S)` bias (a boolean mask becomes a large negative bias, and the backward
+pass then also returns that bias' gradient). `plan` decides which parts go in
+natively and which through that dense mask:
+
+* causal and a left window go in natively when N == S (top-left equals our
+  bottom-right alignment then) and the window needs no right side (causal, or a
+  window `(left, 0)`) and no lengths come with it (jax's own tests cover cuDNN's
+  sliding window without a padding mask only); otherwise the pattern is evaluated
+  into the dense mask;
+* segment ids, a boolean mask and `mask_mod` always go through the dense mask: jax.nn
+  exposes no segment ids or sequence offsets (its cuDNN call's `q_offsets` are
+  private and Hopper-only);
+* the dense mask (and a bias) is built only up to `DENSE_MAX_ELEMENTS`; `refusal`
+  names the parts beyond, so `"auto"` moves on. cuDNN's backward with a bias needs even
+  N and S: odd lengths are padded by one masked row or key.
+
+Like jax.nn's cuDNN kernel this path has a custom VJP only: reverse mode (`grad`,
+`vjp`), no `jvp`/`jacfwd`; use `"xla"` or `"blockwise"` for those. `score_mod`,
+`logits_soft_cap` and sinks cuDNN cannot express: `refusal` names them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jax_mha._masking import Call, Visibility, dense_allowed
+from jax_mha._masking import Call, Visibility, Window, dense_allowed
+
+# The most elements of the dense (B, H, N, S) mask or bias this path builds: with the
+# bias cuDNN is given and the gradient it returns, a few bytes each.
+DENSE_MAX_ELEMENTS = 2**24
+_USE = "use implementation='xla' or 'blockwise'"
+
+
+class Plan(NamedTuple):
+    """How one description reaches jax.nn's cuDNN call.
+
+    Attributes:
+      is_causal: jax.nn's `is_causal` (top-left).
+      local_window_size: jax.nn's `(left, 0)` window, or None.
+      pattern_native: causal/window go in as the two arguments above; False: they are
+        part of the dense mask.
+      dense: the parts evaluated into the dense mask, each named for a refusal.
+    """
+
+    is_causal: bool
+    local_window_size: tuple[int, int] | None
+    pattern_native: bool
+    dense: tuple[str, ...]
+
+
+def plan(vis: Visibility) -> Plan:
+    """Which parts of `vis` go to jax.nn's cuDNN call natively, which as a dense mask."""
+    dense = [name for name, part in (("a boolean mask", vis.mask), ("mask_mod", vis.mask_mod)) if part is not None]
+    if vis.segmented:
+        dense.append("segment ids (jax.nn takes no segment ids or offsets)")
+    window = vis.window if vis.window != Window(None, None) else None
+    if not vis.is_causal and window is None:
+        return Plan(False, None, True, tuple(dense))
+    named = (["is_causal"] if vis.is_causal else []) + ([] if window is None else [f"local_window_size={tuple(window)}"])
+    pattern = " and ".join(named)
+    left = None if window is None else window.left
+    lengths = vis.q_lengths is not None or vis.kv_lengths is not None
+    why = None
+    if vis.n != vis.s:
+        why = f"{pattern} with N != S (jax.nn aligns it top-left, this library bottom-right)"
+    elif not vis.is_causal and window.right != 0:
+        why = f"{pattern} (cuDNN's sliding window is left-only: jax.nn raises \"cuDNN doesn't support right window\")"
+    elif left is not None and lengths:
+        why = f"{pattern} with q_lengths/kv_lengths (a sliding window with cuDNN's padding mask is untested in jax)"
+    if why is not None:
+        return Plan(False, None, False, (*dense, why))
+    # Causal, or a window (left, 0): both are the causal mask cut on the left.
+    return Plan(True, None if left is None else (left, 0), True, tuple(dense))
+
+
+@functools.cache
+def this_gpu() -> tuple[str, tuple[int, ...]] | None:
+    """`("cuda" | "rocm", compute capability)` of the default device when it is a GPU
+    (capability `()` when unreadable), else None: a call described for a GPU from
+    another backend (the tests, `experiments/accelerator_table.py`)."""
+    if jax.default_backend() != "gpu":
+        return None
+    device = jax.devices()[0]
+    vendor = "cuda" if "cuda" in str(device.client.platform_version).lower() else "rocm"
+    try:
+        capability = tuple(int(x) for x in str(device.compute_capability).split("."))
+    except (AttributeError, ValueError):
+        capability = ()
+    return vendor, capability
+
+
+def _device_refusal(call: Call) -> str | None:
+    """The GPU's own limits: CUDA only, Ampere or later, head_dim and dtype."""
+    name = "implementation='cudnn'"
+    if call.platform != "gpu":
+        return f"{name} needs a GPU, this call runs on {call.platform!r}; {_USE}"
+    gpu = this_gpu()
+    if gpu is not None and gpu[0] != "cuda":
+        return f"{name} needs an NVIDIA GPU (jax registers its cuDNN attention for CUDA only), this one is ROCm; {_USE}"
+    if gpu is not None and gpu[1] and gpu[1] < (8, 0):
+        return f"{name} needs compute capability >= 8.0 (cuDNN flash attention), got {gpu[1]}; {_USE}"
+    if jnp.dtype(call.q.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        return f"{name} needs float16 or bfloat16 inputs, got {call.q.dtype}; {_USE}"
+    d = call.q.shape[-1]
+    most = 256 if gpu is not None and gpu[1] >= (9, 0) else 128
+    if d > most or d % 8:
+        return f"{name} needs head_dim <= {most} and a multiple of 8 (256 from Hopper on), got D={d}; {_USE}"
+    if call.v.shape[-1] != d:
+        return f"{name} needs equal q/k and v head dims, got {d} and {call.v.shape[-1]}; {_USE}"
+    return None
 
 
 def refusal(vis: Visibility, call: Call) -> str | None:
     """Why jax.nn's cuDNN kernel cannot run this call (one line naming the part and
     what to use instead), or None. The one place that decides it: `"auto"` reads it
     to move on, an explicit `implementation="cudnn"` raises it."""
-    use = "use implementation='xla' or 'blockwise'"
-    if call.platform != "gpu":
-        return f"implementation='cudnn' needs a GPU, this call runs on {call.platform!r}; {use}"
-    if jnp.dtype(call.q.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
-        return f"implementation='cudnn' needs float16 or bfloat16 inputs, got {call.q.dtype}; {use}"
-    d = call.q.shape[-1]
-    if d > 128 or d % 8:
-        return f"implementation='cudnn' needs head_dim <= 128 and a multiple of 8, got D={d}; {use}"
-    if call.v.shape[-1] != d:
-        return f"implementation='cudnn' needs equal q/k and v head dims, got {d} and {call.v.shape[-1]}; {use}"
+    why = _device_refusal(call)
+    if why is not None:
+        return why
     if call.return_weights:
         return "implementation='cudnn' never builds the weights: return_weights=True needs implementation='xla'"
     if call.dropout:
         return "implementation='cudnn' does not apply dropout here: use implementation='xla'"
-    if vis.score_mod is not None:
-        return f"implementation='cudnn' cannot express score_mod; {use}"
-    if vis.logits_soft_cap is not None:
-        return f"implementation='cudnn' cannot express logits_soft_cap (cuDNN has no soft-cap); {use}"
-    if vis.sinks is not None:
-        return f"implementation='cudnn' cannot express sinks (attention sinks); {use}"
+    for part, value in (("score_mod", vis.score_mod), ("logits_soft_cap", vis.logits_soft_cap),
+                        ("sinks", vis.sinks)):
+        if value is not None:
+            return f"implementation='cudnn' cannot express {part} (jax.nn's cuDNN call has no such argument); {_USE}"
     if call.return_residual:
-        return f"implementation='cudnn' does not return the log-sum-exp here (return_residual=True); {use}"
+        return f"implementation='cudnn' does not return the log-sum-exp here (return_residual=True); {_USE}"
     if vis.q_offset is not None or vis.q_start is not None:
-        return f"implementation='cudnn' cannot take a query offset (decoding from a cache index); {use}"
+        return f"implementation='cudnn' cannot take a query offset (decoding from a cache index); {_USE}"
+    parts = plan(vis).dense + (("a bias",) if vis.bias is not None else ())
+    if parts:
+        batch = jnp.broadcast_shapes(call.q.shape[:-3], call.k.shape[:-3])
+        shape = (*batch, call.q.shape[-3], vis.n, vis.s)
+        if math.prod(shape) > DENSE_MAX_ELEMENTS:
+            return (f"implementation='cudnn' takes {', '.join(parts)} only as a dense (B…, H, N, S) = {shape} mask, "
+                    f"{math.prod(shape):,} elements > 2**24; {_USE}")
     return None
 
 
-def cudnn_attention(q, k, v, vis: Visibility, *, scale):
-    """`out (B…, H, N, D)` of finite `q (B…, H, N, D)`, `k, v (B…, K, S, D)`; rows
-    with no visible key are left to the dispatcher (`_masking.dense_rows`).
+def _pad_even(q, k, v, mask, bias):
+    """Pads odd N (a query row, dropped after) and odd S (a key every row masks) to
+    even: cuDNN's backward with a bias raises for odd lengths. q `(B, N, H, D)`, k/v
+    `(B, S, K, D)`, mask bool and bias `(B, H, N, S)` or None."""
+    n, s = q.shape[1], k.shape[1]
+    dn, ds = n % 2, s % 2
+    if not (dn or ds):
+        return q, k, v, mask, bias
+    if mask is None and ds:
+        mask = jnp.ones((1, 1, n, s), bool)
+    rows = lambda x: jnp.pad(x, ((0, 0), (0, dn), (0, 0), (0, 0)))
+    keys = lambda x: jnp.pad(x, ((0, 0), (0, ds), (0, 0), (0, 0)))
+    pairs = lambda x, fill: None if x is None else jnp.pad(x, ((0, 0), (0, 0), (0, dn), (0, ds)), constant_values=fill)
+    return rows(q), keys(k), keys(v), pairs(mask, False), pairs(bias, 0)
 
-    jax.nn's cuDNN call has no segment ids: they go in as part of the dense mask
-    (`dense_allowed`), as does the pattern when N != S (its alignment differs)."""
+
+def cudnn_attention(q, k, v, vis: Visibility, *, scale):
+    """`out (B…, H, N, D)` of finite `q (B…, H, N, D)`, `k, v (B…, K, S, D)`, as
+    `plan` translates `vis`; rows with no visible key are left to the dispatcher
+    (`_masking.dense_rows`)."""
     *batch, h, n, d = q.shape
     s = k.shape[-2]
-    native = n == s and not vis.segmented
+    how = plan(vis)
     full = lambda x: None if x is None else jnp.broadcast_to(x, (*batch, h, n, s)).reshape(-1, h, n, s)
     lengths = lambda x: None if x is None else jnp.broadcast_to(x, (*batch, 1, 1, 1)).reshape(-1)
     # What jax.nn does not take natively goes in as one mask, built by `_masking`.
     as_mask = dataclasses.replace(vis, q_lengths=None, kv_lengths=None, bias=None)
-    if native:
+    if how.pattern_native:
         as_mask = dataclasses.replace(as_mask, is_causal=False, window=None)
-    mask = dense_allowed(as_mask, len(batch) + 3)
+    mask = full(dense_allowed(as_mask, len(batch) + 3))
+    bias = None if vis.bias is None else full(vis.bias.astype(q.dtype))
     flat = lambda x: jnp.swapaxes(jnp.broadcast_to(x, (*batch, *x.shape[-3:])).reshape(-1, *x.shape[-3:]), -3, -2)
-    local = None
-    if native and vis.window is not None:
-        local = (s if vis.window.left is None else vis.window.left, s if vis.window.right is None else vis.window.right)
+    fq, fk, fv = flat(q), flat(k), flat(v)  # (B, N, H, D), (B, S, K, D)
+    if mask is not None or bias is not None:
+        fq, fk, fv, mask, bias = _pad_even(fq, fk, fv, mask, bias)
     out = jax.nn.dot_product_attention(
-        flat(q), flat(k), flat(v), bias=full(vis.bias), mask=full(mask), scale=scale,
-        is_causal=native and vis.is_causal, query_seq_lengths=lengths(vis.q_lengths),
-        key_value_seq_lengths=lengths(vis.kv_lengths), local_window_size=local, implementation="cudnn",
-    )  # (B, N, H, D)
-    return jnp.swapaxes(out, -3, -2).reshape(*batch, h, n, d)
+        fq, fk, fv, bias=bias, mask=mask, scale=scale, is_causal=how.is_causal,
+        query_seq_lengths=lengths(vis.q_lengths), key_value_seq_lengths=lengths(vis.kv_lengths),
+        local_window_size=how.local_window_size, implementation="cudnn",
+    )  # (B, N', H, D)
+    return jnp.swapaxes(out[:, :n], -3, -2).reshape(*batch, h, n, d)
 
 
-__all__ = ["cudnn_attention", "refusal"]
+__all__ = ["DENSE_MAX_ELEMENTS", "Plan", "cudnn_attention", "plan", "refusal", "this_gpu"]

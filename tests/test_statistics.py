@@ -13,8 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_mha import attention, attention_entropy
-from jax_mha import attention_statistics
+from jax_mha import attention, attention_entropy, attention_statistics
 from tests.conftest import np_allowed, np_attention, x64
 
 B, H, K, N, S, D = 2, 6, 3, 13, 17, 5  # GQA: query heads 0, 1 read key head 0, ...
