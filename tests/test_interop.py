@@ -31,7 +31,7 @@ B, N, S, H, D = 2, 5, 7, 3, 4
 E = H * D
 
 
-def normal(rng, shape):
+def np_normal(rng, shape):
     return (0.5 * rng.standard_normal(shape)).astype(np.float32)
 
 
@@ -39,17 +39,17 @@ def torch_like_state_dict(rng, *, kdim=E, vdim=E, bias=True, add_bias_kv=False):
     """Random arrays with `torch.nn.MultiheadAttention.state_dict()`'s names and shapes."""
     sd = {}
     if kdim == vdim == E:
-        sd["in_proj_weight"] = normal(rng, (3 * E, E))
+        sd["in_proj_weight"] = np_normal(rng, (3 * E, E))
     else:
-        sd.update(q_proj_weight=normal(rng, (E, E)), k_proj_weight=normal(rng, (E, kdim)),
-                  v_proj_weight=normal(rng, (E, vdim)))
+        sd.update(q_proj_weight=np_normal(rng, (E, E)), k_proj_weight=np_normal(rng, (E, kdim)),
+                  v_proj_weight=np_normal(rng, (E, vdim)))
     if bias:
-        sd["in_proj_bias"] = normal(rng, (3 * E,))
-    sd["out_proj.weight"] = normal(rng, (E, E))
+        sd["in_proj_bias"] = np_normal(rng, (3 * E,))
+    sd["out_proj.weight"] = np_normal(rng, (E, E))
     if bias:
-        sd["out_proj.bias"] = normal(rng, (E,))
+        sd["out_proj.bias"] = np_normal(rng, (E,))
     if add_bias_kv:
-        sd.update(bias_k=normal(rng, (1, 1, E)), bias_v=normal(rng, (1, 1, E)))
+        sd.update(bias_k=np_normal(rng, (1, 1, E)), bias_v=np_normal(rng, (1, 1, E)))
     return sd
 
 
@@ -136,7 +136,7 @@ def test_loading_refuses_torch_parameters_the_module_has_no_place_for(rng, np_at
     layout, wrong, message = REFUSALS[case]
     sd = torch_like_state_dict(rng, **layout)  # every entry nonzero, the biases included
     params = from_torch_state_dict(sd)
-    x = normal(rng, (B, N, E))
+    x = np_normal(rng, (B, N, E))
     bias = layout.get("bias", True)
     right = dict(qkv_bias=bias, out_bias=bias, add_bias_kv=layout.get("add_bias_kv", False))
 
@@ -203,8 +203,8 @@ def test_outputs_equal_torch_multihead_attention(rng, case):
             p.normal_(0.0, 0.4)  # also the zero-initialised biases
     params = from_torch_state_dict({k: v.numpy() for k, v in layer.state_dict().items()})
     cross = "kdim" in options
-    query = normal(rng, (B, N, E))
-    key, value = (normal(rng, (B, S, options.get("kdim", E))), normal(rng, (B, S, options.get("vdim", E)))) \
+    query = np_normal(rng, (B, N, E))
+    key, value = (np_normal(rng, (B, S, options.get("kdim", E))), np_normal(rng, (B, S, options.get("vdim", E)))) \
         if cross else (query, query)
     length = S if cross else N
     attn_mask = key_padding_mask = None
@@ -234,12 +234,12 @@ def test_outputs_equal_torch_multihead_attention(rng, case):
 
 
 def test_from_flax_equals_multi_head_dot_product_attention_with_qk_norm(rng):
-    query, memory = normal(rng, (B, N, 11)), normal(rng, (B, S, 13))
+    query, memory = np_normal(rng, (B, N, 11)), np_normal(rng, (B, S, 13))
     mask = np.asarray(rng.random((B, 1, N, S)) < 0.7)
     mask[..., 0] = True  # flax gives uniform weights to fully masked rows, we give zeros
     ref = nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=E, out_features=17, normalize_qk=True)
     shapes = jax.eval_shape(ref.init, jax.random.key(0), query, memory)["params"]
-    flax_params = jax.tree_util.tree_map(lambda s: normal(rng, s.shape) + (s.shape == (D,)), shapes)
+    flax_params = jax.tree_util.tree_map(lambda s: np_normal(rng, s.shape) + (s.shape == (D,)), shapes)
     expected = jax.jit(lambda p: ref.apply({"params": p}, query, memory, mask=mask))(flax_params)
 
     params = from_flax(flax_params)
@@ -252,7 +252,7 @@ def test_from_flax_equals_multi_head_dot_product_attention_with_qk_norm(rng):
 
 
 def test_from_flax_nnx_grouped_query_attention(rng):
-    x = normal(rng, (B, N, E))
+    x = np_normal(rng, (B, N, E))
     ref = nnx.MultiHeadAttention(num_heads=6, in_features=E, qkv_features=24, num_kv_heads=2, decode=False,
                                  rngs=nnx.Rngs(0))
     params = from_flax(nnx.to_pure_dict(nnx.state(ref, nnx.Param)))

@@ -14,6 +14,7 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import normal, randomize
 
 from jax_mha import FeedForward, MultiHeadAttention, TransformerBlock, causal_mask, padding_mask
 from jax_mha._projection import projection_dot_general
@@ -38,20 +39,6 @@ def pytest_generate_tests(metafunc):
 # B, N, S, H, D: distinct primes; d_model = H * D.
 B, N, S, H, D = 2, 5, 7, 3, 11
 D_MODEL = H * D  # 33
-
-
-def normal(rng, shape, dtype=jnp.float32):
-    """Fresh standard-normal inputs (never zeros), as a jax array."""
-    return jnp.asarray(rng.standard_normal(shape), dtype)
-
-
-def randomize(params, seed=0):
-    """Replaces every leaf by fresh N(0, 0.3²) values, so zero-initialised biases matter.
-
-    NumPy draws: no XLA compilation per parameter shape (keeps the suite fast on CPU).
-    """
-    rng = np.random.default_rng(seed)
-    return jax.tree_util.tree_map(lambda x: jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype), params)
 
 
 def init_params(model, *inputs, seed=0):

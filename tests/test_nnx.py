@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import normal, randomize
 from flax import nnx
 
 import jax_mha
@@ -20,14 +21,10 @@ from jax_mha import nnx as jnnx
 B, N, D_MODEL, H = 2, 5, 36, 6
 
 
-def normal(rng, shape):
-    return jnp.asarray(rng.standard_normal(shape), jnp.float32)
-
-
-def randomize(module, seed=0):
-    """Fresh N(0, 0.3²) parameters in place (zero-initialised biases then matter)."""
-    rng = np.random.default_rng(seed)
-    params = jax.tree_util.tree_map(lambda a: 0.3 * rng.standard_normal(a.shape), jnnx.to_linen_params(module))
+def randomize_module(module, seed=0):
+    """Fresh N(0, 0.3²) parameters in place (zero-initialised biases then matter):
+    conftest's `randomize` on the module's linen-layout parameters."""
+    params = randomize(jnnx.to_linen_params(module), seed)
     return jnnx.from_linen_params(module, params)
 
 
@@ -37,7 +34,7 @@ MHA_OPTIONS = dict(num_kv_heads=2, qkv_bias=True, normalize_qk=True, rope=True, 
 
 def test_multi_head_attention_equals_linen_on_identical_weights(rng):
     query, memory = normal(rng, (B, N, D_MODEL)), normal(rng, (B, 11, 13))
-    ours = randomize(jnnx.MultiHeadAttention(H, D_MODEL, in_kv_features=13, rngs=nnx.Rngs(0), **MHA_OPTIONS))
+    ours = randomize_module(jnnx.MultiHeadAttention(H, D_MODEL, in_kv_features=13, rngs=nnx.Rngs(0), **MHA_OPTIONS))
     linen = jax_mha.MultiHeadAttention(num_heads=H, **MHA_OPTIONS)
     params = jnnx.to_linen_params(ours)
     expected_shapes = jax.eval_shape(linen.init, jax.random.key(0), query, memory)["params"]
@@ -114,7 +111,7 @@ def test_decoding_inside_a_plain_jax_transform_says_to_use_nnx_jit(rng):
 def test_decoding_token_by_token_equals_causal_forward(rng):
     x = normal(rng, (B, N, D_MODEL))
     options = dict(num_kv_heads=2, rope=True, normalize_qk=True, rngs=nnx.Rngs(0))
-    full = randomize(jnnx.MultiHeadAttention(H, D_MODEL, **options))
+    full = randomize_module(jnnx.MultiHeadAttention(H, D_MODEL, **options))
     decoder = jnnx.MultiHeadAttention(H, D_MODEL, decode=True, **options)
     jnnx.from_linen_params(decoder, jnnx.to_linen_params(full))
     with pytest.raises(ValueError, match=re.escape("decode=True needs a cache: call init_cache(input_shape) first")):
@@ -224,7 +221,7 @@ class Spy:
 def test_attention_fn_replaces_the_core_as_in_linen(rng):
     x = normal(rng, (B, N, D_MODEL))
     spy = Spy(scale=3.0)
-    ours = randomize(jnnx.MultiHeadAttention(H, D_MODEL, attention_fn=spy, rngs=nnx.Rngs(0)))
+    ours = randomize_module(jnnx.MultiHeadAttention(H, D_MODEL, attention_fn=spy, rngs=nnx.Rngs(0)))
     linen = jax_mha.MultiHeadAttention(num_heads=H, attention_fn=Spy(scale=3.0))
     plain = jax_mha.MultiHeadAttention(num_heads=H)
     params = jnnx.to_linen_params(ours)
