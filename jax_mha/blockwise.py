@@ -76,8 +76,8 @@ def default_blocks(is_causal: bool, window, span=None) -> tuple[int, int]:
     2048 x 256 without a pattern, 512 x 512 when causal or windowed; for a narrow band,
     square blocks of about its span `w` (a window whose left + right, right counted as
     0 when causal, is under `NARROW_WINDOW` keys; between 128 and 512): a query block
-    then visits about `2w` keys where it needs `w + q_block`. On a 2-core CPU (N=4,096,
-    a (256, 0) window, forward+backward) 256 x 256 ran 1.4x faster than 512 x 1024.
+    then visits about `2w` keys where it needs `w + q_block` (measured in
+    docs/performance.md).
     `span`: `mask_mod_span`'s `(span, sparse)` for a mask function, read the same way
     (a narrow span gets square blocks of about its width, a sparse one 512 x 512).
     """

@@ -8,8 +8,9 @@ The public layer of the core. Beneath it, each file with one job:
                   path shares: non-finite inputs isolated, empty rows, padding rows
   _dense.py       the whole scores, one screen: the truth every path is tested against
                   and the path that returns the weights
-  _flash.py       the blockwise engine: query blocks x key blocks, online softmax, one
-                  custom JVP whose transpose is the backward; blockwise.py its blocks
+  _flash.py       the blockwise engine: query blocks x key blocks, online softmax, a
+                  custom JVP whose tangent's transpose is written by hand (_linear.py):
+                  the two-pass FlashAttention-2 backward; blockwise.py its blocks
   _cudnn.py, _pallas_tpu.py, _pallas_gpu.py   the description translated for a kernel
 
 Axis letters used in shapes and einsum strings:
@@ -292,15 +293,17 @@ def attention(
         a `-inf` masks the key. The order on the logits is: scale → `bias` →
         `score_mod` → `logits_soft_cap` → masks. Gradients reach what it closes over
         (a T5 relative-bias table, ALiBi slopes), on every path: the blockwise path
-        hoists those values out of the closure (`jax.closure_convert`) into inputs of
-        its custom derivative. Never builds an `(N, S)` array on the blockwise path.
+        traces the function (`_flash.trace_mod`) and makes every value it closes over
+        an input of its custom derivative. Never builds an `(N, S)` array on the
+        blockwise path.
       mask_mod: `mask_mod(batch, head, q_idx, kv_idx) -> bool` (FlexAttention's), or
         None: True = may attend, AND-ed with every other part. Same index arrays; its
         result must be boolean and broadcast to the scores. The blockwise path skips
         the key blocks it rules out: for a function of the indices and of concrete
         values, each query block's range of key blocks holding a visible key is
-        computed at that call from the values it reads (no cache: a global read by
-        the function may change between calls), so the key loop is as short as the
+        computed from the values it reads at that call (kept only under a key of the
+        traced computation and those values: a global read by the function may
+        change between calls), so the key loop is as short as the
         built-in pattern's (a `mask_mod` window runs like `local_window_size`); every
         block in range is tested on its own `(q_block, k_block)` index grid and
         skipped when empty. Both mods may close over anything traced (ints, bools,
