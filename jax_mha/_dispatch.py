@@ -164,8 +164,7 @@ def _zeros(q, k, v, return_weights):
 def _run_path(path, q, k, v, bad_kv, vis, call, *, scale, dropout_rate, dropout_rng, blocks):
     """`(out, weights or None, lse or None, empty, touched)` from the chosen path, on
     finite inputs; lse (when the call asks for it) -inf on rows with nothing to see."""
-    if call.return_weights or call.dropout or (path == "xla" and whole_scores_fit(q, k)) or (
-            path == "xla" and vis.sinks is not None):
+    if call.return_weights or call.dropout or (path == "xla" and whole_scores_fit(q, k)):
         out, weights, lse, empty, touched = dense_attention(
             q, k, v, bad_kv, vis, scale=scale, dropout_rate=dropout_rate if call.dropout else 0.0,
             dropout_rng=dropout_rng, return_lse=call.return_residual)
@@ -183,7 +182,20 @@ def _run_path(path, q, k, v, bad_kv, vis, call, *, scale, dropout_rate, dropout_
     out, lse, touched = blockwise.run_blockwise(q, k, v, vis, query_block_size=q_block, key_block_size=k_block,
                                                 scale=scale, bad_kv=bad_kv)
     empty = lse == jnp.inf  # the engine's mark of a row with no visible key
-    return out, None, jnp.where(empty, -jnp.inf, lse), empty, touched
+    out, lse = with_sinks(out, jnp.where(empty, -jnp.inf, lse), vis.sinks)
+    return out, None, lse, empty, touched
+
+
+def with_sinks(out, lse, sinks):
+    """Attention over the real keys `(out (B…, H, N, Dv), lse (B…, H, N))` merged with
+    each head's sink, a key of logit `sinks[h]` and value zero (`merge_attentions`
+    with a zero part): out shrinks by the sink's share, lse gains its term.
+    Differentiable in all three; `sinks` None returns the inputs."""
+    if sinks is None:
+        return out, lse
+    sink = jnp.broadcast_to(jax.lax.broadcast_to_rank(sinks.astype(lse.dtype)[:, None], lse.ndim), lse.shape)
+    merged = jnp.logaddexp(lse, sink)
+    return out * jnp.exp(lse - merged)[..., None].astype(out.dtype), merged
 
 
 def _finish_lse(lse, poisoned, q_lengths, n):

@@ -129,6 +129,4 @@ def refusal(vis: Visibility, call) -> str | None:
                 "(B…, H, N, S) weights")
     if call.dropout:
         return "dropout on the weights is not supported by implementation='blockwise'; use 'xla'"
-    if vis.sinks is not None:
-        return "implementation='blockwise' cannot express sinks yet; use 'xla'"
     return None

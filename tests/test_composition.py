@@ -194,7 +194,7 @@ KERNEL_REFUSES = {"bias": "bias", "mask": "mask", "score_mod": "score_mod", "mas
                   "dropout": "dropout", "sinks": "sinks", "residual": "return_residual"}
 # What a path refuses, and the word its message must contain.
 REFUSES = {
-    "blockwise": {"dropout": "dropout", "sinks": "sinks"},
+    "blockwise": {"dropout": "dropout"},
     "decode": {},
     "ring": RING_REFUSES,
     "pallas_tpu": {name: word for name, word in KERNEL_REFUSES.items() if name != "sinks"},  # splash has sinks
