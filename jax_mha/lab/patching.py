@@ -333,10 +333,11 @@ def patch_each_head(model, params, inputs: jax.Array, metric: Callable[[jax.Arra
                     kv_scope: str = "group") -> jax.Array:
     """`metric` of the run with each head patched in turn, all in one vmapped, jitted call.
 
+    `model`, `params`, `inputs`, `site`, `mode`, `source`, `gates` and `kv_scope` are
+    as in `run_patched`. With "zero" and site "k"/"v" in the group scope, `source` is
+    still needed: it tells how many key/value heads there are.
+
     Args:
-      model, params, inputs, site, mode, source, gates, kv_scope: as in `run_patched`.
-        With "zero" and site "k"/"v" in the group scope, `source` is still needed: it
-        tells how many key/value heads there are.
       metric: logits `(B, T, V)` -> scalar (e.g. the logit difference of the right
         answer); a static argument: pass one function object, not a fresh lambda per call.
 

@@ -438,8 +438,8 @@ def verbatim_overlap(reference, other, width: int = LEAK_WIDTH) -> float:
     looked up in it; a character counts once if any matching window covers it.
 
     Args:
-      reference, other: str, or int `(N,)` ids of one vocabulary (e.g. `corpus.train`
-        and `corpus.test`).
+      reference: str, or int `(N,)` ids of one vocabulary (e.g. `corpus.train`).
+      other: the same kind as `reference` (e.g. `corpus.test`).
       width: the shortest run that counts.
 
     Returns:
