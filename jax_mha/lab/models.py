@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mha.functional import resolve_implementation
+from jax_mha.functional import IMPLEMENTATIONS
 from jax_mha.modules import MultiHeadAttention, TransformerBlock, _require_dropout_rng, _require_mutable_cache
 
 POSITIONAL = ("learned", "sinusoidal")
@@ -62,8 +62,9 @@ class ModelConfig:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if self.positional == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
-        probe = jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32)
-        resolve_implementation(probe, probe, probe, implementation=self.implementation)  # unknown name: ValueError
+        if self.implementation is not None and self.implementation not in IMPLEMENTATIONS:
+            # the name only: asking a path would start the backend (before jax.distributed.initialize)
+            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {self.implementation!r}")
 
 
     @property
