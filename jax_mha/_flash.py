@@ -59,7 +59,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from jax_mha._linear import linear_call
-from jax_mha._masking import Visibility, Window, block_allowed, compute_dtype, key_range, score_logits
+from jax_mha._masking import Visibility, Window, block_allowed, compute_dtype, key_block_range, key_range, score_logits
 
 _SCORES = "bkqd,bkcd->bkqc"  # q kᵀ per block (also dq kᵀ, q dkᵀ, g vᵀ)
 _MIX = "bkqc,bkcd->bkqd"  # p v per block (also a v, p dv, dS k)
@@ -226,13 +226,7 @@ def _key_blocks(plan: Plan, a: Arrays, i0):
     `kv_lengths` are masked; rows past every `q_lengths` see nothing), and by
     `mask_mod`'s block ranges. The engine runs one batch entry at a time on one
     device, so "every sequence" is that sequence."""
-    lo, hi = key_range(_visibility(plan, a), i0, i0 + plan.q_block - 1, plan.s_pad)
-    lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
-    if a.kv_len is not None:
-        hi = jnp.minimum(hi, jnp.max(a.kv_len))
-    if a.q_len is not None:
-        hi = jnp.where(i0 >= jnp.max(a.q_len), lo, hi)
-    lo, hi = lo // plan.k_block, (hi + plan.k_block - 1) // plan.k_block
+    lo, hi = key_block_range(_visibility(plan, a), i0, plan.q_block, plan.k_block, plan.s_pad, a.q_len, a.kv_len)
     if plan.mask_ranges is not None:  # the mask function's own block range (`mask_mod_ranges`)
         ranges = jnp.asarray(plan.mask_ranges, jnp.int32)  # (Np / bq, 2)
         first, last = ranges[i0 // plan.q_block, 0], ranges[i0 // plan.q_block, 1]

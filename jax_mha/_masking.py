@@ -319,6 +319,23 @@ def key_range(vis: Visibility, first_row, last_row, s: int):
     return jnp.clip(lo, 0, s), jnp.clip(hi, 0, s)
 
 
+def key_block_range(vis: Visibility, first_row, q_block: int, k_block: int, s_pad: int, q_lengths=None,
+                    kv_lengths=None):
+    """Key blocks `[lo, hi)` (int32 scalars) that query rows `first_row …
+    first_row + q_block - 1` may see: by causality and the window (`key_range`),
+    past no sequence's `kv_lengths`, and none for rows past every `q_lengths`
+    (lengths as arrays of any shape, or None). A bound: every block in it is still
+    tested pair by pair."""
+    lo, hi = key_range(vis, first_row, first_row + q_block - 1, s_pad)
+    lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+    if kv_lengths is not None:
+        hi = jnp.minimum(hi, jnp.max(kv_lengths))
+    if q_lengths is not None:
+        hi = jnp.where(first_row >= jnp.max(q_lengths), lo, hi)
+    lo, hi = lo // k_block, (hi + k_block - 1) // k_block
+    return lo, jnp.maximum(hi, lo)
+
+
 def key_block_band(vis: Visibility, n_pad: int, q_block: int, k_block: int, num_k_blocks: int) -> int:
     """The most key blocks any query block can see: the static length of the loop
     over key blocks (a causal or windowed query block sees fewer than all)."""
@@ -400,6 +417,6 @@ def num_blocks(length: int, block: int) -> int:
 
 __all__ = [
     "Visibility", "Window", "block_allowed", "canonical_window", "compute_dtype", "dense_allowed", "fits",
-    "key_block_band", "key_range", "lengths_at_rank", "num_blocks", "positional", "segments_at_rank",
+    "key_block_band", "key_block_range", "key_range", "lengths_at_rank", "num_blocks", "positional", "segments_at_rank",
     "dense_heads", "score_logits", "soft_cap", "dense_rows", "Call",
 ]

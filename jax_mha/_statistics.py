@@ -105,14 +105,7 @@ def _key_blocks(plan: _Plan, vis: _masking.Visibility, i0):
     """Key blocks `[lo, hi)` query rows `i0…` may see: by causality and the window
     (`key_range`), past no sequence's `kv_lengths`, none for rows past every
     `q_lengths`. A bound only: each block is still tested pair by pair."""
-    lo, hi = _masking.key_range(vis, i0, i0 + plan.q_block - 1, plan.s_pad)
-    lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
-    if vis.kv_lengths is not None:
-        hi = jnp.minimum(hi, jnp.max(vis.kv_lengths))
-    if vis.q_lengths is not None:
-        hi = jnp.where(i0 >= jnp.max(vis.q_lengths), lo, hi)
-    lo, hi = lo // plan.k_block, (hi + plan.k_block - 1) // plan.k_block
-    return lo, jnp.maximum(hi, lo)
+    return _masking.key_block_range(vis, i0, plan.q_block, plan.k_block, plan.s_pad, vis.q_lengths, vis.kv_lengths)
 
 
 def _over_keys(plan: _Plan, vis, i0, update, carry):
