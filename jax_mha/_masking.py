@@ -336,19 +336,6 @@ def key_block_range(vis: Visibility, first_row, q_block: int, k_block: int, s_pa
     return lo, jnp.maximum(hi, lo)
 
 
-def key_block_band(vis: Visibility, n_pad: int, q_block: int, k_block: int, num_k_blocks: int) -> int:
-    """The most key blocks any query block can see: the static length of the loop
-    over key blocks (a causal or windowed query block sees fewer than all)."""
-    if not vis.has_pattern:
-        return num_k_blocks
-    band = 0
-    for first in range(0, n_pad, q_block):
-        lo, hi = key_range(vis, first, first + q_block - 1, num_k_blocks * k_block)
-        if hi > lo:
-            band = max(band, (hi - 1) // k_block - lo // k_block + 1)
-    return max(band, 1)
-
-
 def canonical_window(local_window_size) -> Window | None:
     """`None`, an int `w` (= `(w, w)`) or a pair of ints/None -> `Window` or None.
 
@@ -417,6 +404,6 @@ def num_blocks(length: int, block: int) -> int:
 
 __all__ = [
     "Visibility", "Window", "block_allowed", "canonical_window", "compute_dtype", "dense_allowed", "fits",
-    "key_block_band", "key_block_range", "key_range", "lengths_at_rank", "num_blocks", "positional", "segments_at_rank",
+    "key_block_range", "key_range", "lengths_at_rank", "num_blocks", "positional", "segments_at_rank",
     "dense_heads", "score_logits", "soft_cap", "dense_rows", "Call",
 ]

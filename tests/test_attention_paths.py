@@ -25,7 +25,7 @@ import pytest
 from conftest import PATHS, jax_reference, normal, np_allowed, np_attention, run, x64
 
 from jax_mha import attention, attention_entropy, causal_mask
-from jax_mha._masking import Visibility, Window, key_block_band
+from jax_mha._masking import Visibility, Window
 
 
 def inputs(rng, batch=(2,), h=6, kv_heads=3, n=7, s=11, d=5, dtype=np.float32):
@@ -512,8 +512,17 @@ def test_errors_do_not_depend_on_asserts():
 def test_windows_and_causality_shrink_the_key_loop():
     """Blocks outside the visible band are not iterated: at N = S = 16,384 with 128 x 512
     blocks, a (256, 0) window visits at most 2 of the 32 key blocks per query block."""
+    from jax_mha import _flash
+
     n = 16384
-    band = lambda **kw: key_block_band(Visibility(n, n, **kw), n, 128, 512, n // 512)
+    x = jax.ShapeDtypeStruct((1, 1, n, 8), jnp.float32)
+
+    def band(**kw):
+        plans = []  # the plan is static: read it while tracing, nothing runs
+        jax.eval_shape(lambda q: plans.append(_flash._prepare(q, q, q, Visibility(n, n, **kw), scale=1.0, q_block=128,
+                                                              k_block=512, bad_kv=None)[0]), x)
+        return plans[0].band
+
     assert band() == 32
     assert band(is_causal=True) == 32  # the band is the longest row; later cond-skips halve the work
     assert band(is_causal=True, window=Window(256, 0)) == 2
