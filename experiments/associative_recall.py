@@ -56,10 +56,25 @@ class RecallStudyConfig:
     # shortcut reaches (`reference_lines`; measured in docs/results/associative_recall.md),
     # short of perfect.
     solved_accuracy: float = 0.9
+    seed: int = 0  # seeds are seed, seed + 1, ...: the learning-rate grid uses others than the reported runs
+    # (heads, peak lr) pairs overriding train.learning_rate: each h at its own best rate
+    # (chosen on the dev evaluation set by `--eval-on dev` runs; docs/results/associative_recall.md)
+    learning_rates: tuple[tuple[int, float], ...] = ()
 
     @property
     def seeds(self) -> list[int]:
-        return list(range(self.num_seeds))
+        return list(range(self.seed, self.seed + self.num_seeds))
+
+    def train_for(self, heads: int) -> TrainConfig:
+        """`train`, with this head count's learning rate if `learning_rates` names one."""
+        rate = dict(self.learning_rates).get(heads)
+        return self.train if rate is None else dataclasses.replace(self.train, learning_rate=rate)
+
+
+# The evaluation sets: the trainer's held-out rows are drawn from this key. "dev" (every
+# choice: the learning rate) and "test" (what a page reports) are disjoint draws, and
+# both are apart from every training seed's batches.
+EVAL_SEEDS = {"test": TrainConfig.eval_seed, "dev": TrainConfig.eval_seed - 1}
 
 
 def _preset(d_model: int, steps: int, eval_every: int, heads, seeds, task=RecallTaskConfig(), layers: int = 2,
@@ -101,7 +116,12 @@ def build_parser():
     p.add_argument("--seeds", type=common.positive_int, help="seeds per head count")
     p.add_argument("--steps", type=common.positive_int, help="optimizer steps (a multiple of the evaluation interval)")
     p.add_argument("--d-model", type=common.positive_int, help="model width (d_ff = 4 d_model)")
-    p.add_argument("--lr", type=common.positive_float, help="peak AdamW learning rate")
+    p.add_argument("--lr", type=common.positive_float,
+                   help="peak AdamW learning rate for every h (default: the preset's rate for each h)")
+    p.add_argument("--seed", type=common.nonnegative_int, help="first seed (default 0)")
+    p.add_argument("--eval-on", choices=sorted(EVAL_SEEDS), default="test",
+                   help="the held-out rows evaluated: dev for choices such as the learning rate, test (default) "
+                        "for what is reported")
     p.add_argument("--out", type=Path, help="output folder (default results/associative_recall/<preset>)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--replot", action="store_true", help="redo summary.md and the figures from --out's results.json")
@@ -115,13 +135,16 @@ def build_config(args) -> RecallStudyConfig:
         model = dataclasses.replace(model, d_model=args.d_model, d_ff=4 * args.d_model)
     if args.steps is not None:
         train = dataclasses.replace(train, num_steps=args.steps)
-    if args.lr is not None:
-        train = dataclasses.replace(train, learning_rate=args.lr)
+    rates = cfg.learning_rates
+    if args.lr is not None:  # one rate for every h
+        train, rates = dataclasses.replace(train, learning_rate=args.lr), ()
+    train = dataclasses.replace(train, eval_seed=EVAL_SEEDS[args.eval_on])
     heads = tuple(args.heads) if args.heads else cfg.heads
     for h in heads:
         if model.d_model % h:
             raise ValueError(f"d_model={model.d_model} is not divisible by num_heads={h}")
-    return dataclasses.replace(cfg, heads=heads, model=model, train=train, num_seeds=args.seeds or cfg.num_seeds)
+    return dataclasses.replace(cfg, heads=heads, model=model, train=train, num_seeds=args.seeds or cfg.num_seeds,
+                               seed=cfg.seed if args.seed is None else args.seed, learning_rates=rates)
 
 
 def parse(argv):
@@ -206,7 +229,7 @@ def train_heads(h: int, cfg: RecallStudyConfig, progress: bool) -> dict:
     model = dataclasses.replace(cfg.model, num_heads=h)
     bar = common.TrainingBar(cfg.train.num_steps, f"h={h:>2}", not progress)
     try:
-        result = train_seeds(model, cfg.task, cfg.train, cfg.seeds, callback=bar)
+        result = train_seeds(model, cfg.task, cfg.train_for(h), cfg.seeds, callback=bar)
     finally:
         bar.close()
     ev = result.evals
@@ -216,7 +239,8 @@ def train_heads(h: int, cfg: RecallStudyConfig, progress: bool) -> dict:
              "final_recall_accuracy": float(ev["recall_accuracy"][i, -1]),
              "final_query_exact": float(ev["query_exact"][i, -1]),
              "final_loss": float(ev["loss"][i, -1])} for i, seed in enumerate(result.seeds)]
-    return {"heads": h, "head_dim": cfg.model.d_model // h, "wall_seconds": result.wall_seconds,
+    return {"heads": h, "head_dim": cfg.model.d_model // h, "learning_rate": cfg.train_for(h).learning_rate,
+            "wall_seconds": result.wall_seconds,
             "train_seconds": result.train_seconds, "runs": runs}
 
 
@@ -239,7 +263,22 @@ def summarize(results: dict) -> dict:
 
 def artifact(results: dict) -> dict:
     """The per-seed values the results page is rendered from (`experiments.report`, kind
-    "recall"): small, no curves."""
+    "recall"): small, no curves. A run evaluated on dev (`--eval-on dev`: the
+    learning-rate grid) gives a kind "lr_grid" file instead: per (h, lr), each seed's
+    area under the dev loss curve, the selection metric."""
+    cfg = results["config"]
+    if cfg.get("eval_on") == "dev":
+        return {"kind": "lr_grid", "metric": "area under the dev loss curve (nats)", "lower_is_better": True,
+                "metadata": {k: results["metadata"].get(k) for k in ("cpu", "cpu_count", "commit", "dirty", "argv")},
+                "cells": [{"heads": int(h), "lr": r.get("learning_rate", cfg["train"]["learning_rate"]),
+                           "seeds": [run["seed"] for run in r["runs"]], "values": [run["auc_loss"] for run in r["runs"]],
+                           "final_accuracy": [run["final_recall_accuracy"] for run in r["runs"]]}
+                          for h, r in results["heads"].items()]}
+    return recall_data(results)
+
+
+def recall_data(results: dict) -> dict:
+    """The kind "recall" record of `results` (what the page's tables and the summary read)."""
     cfg = results["config"]
     task = RecallTaskConfig(**{k: v for k, v in cfg["task"].items() if k != "name"})
     return {"kind": "recall", "task": cfg["task"], "model": {k: cfg["model"][k] for k in ("d_model", "num_layers")},
@@ -247,7 +286,9 @@ def artifact(results: dict) -> dict:
             "solved_accuracy": cfg.get("solved_accuracy", RecallStudyConfig.solved_accuracy),
             "reference": results.get("reference") or reference_lines(task),
             "metadata": {k: results["metadata"].get(k) for k in ("cpu", "cpu_count", "commit", "dirty", "argv")},
-            "heads": {h: {"head_dim": r["head_dim"], "seeds": [run["seed"] for run in r["runs"]],
+            "eval_on": cfg.get("eval_on", "test"),
+            "heads": {h: {"head_dim": r["head_dim"], "learning_rate": r.get("learning_rate", cfg["train"]["learning_rate"]),
+                          "seeds": [run["seed"] for run in r["runs"]],
                           "auc_loss": [run["auc_loss"] for run in r["runs"]],
                           "final_accuracy": [run["final_recall_accuracy"] for run in r["runs"]],
                           "wall_seconds": r["wall_seconds"]} for h, r in results["heads"].items()}}
@@ -256,12 +297,12 @@ def artifact(results: dict) -> dict:
 def summary_markdown(results: dict) -> str:
     from experiments import common_tables as report
 
-    cfg, data = results["config"], artifact(results)
+    cfg, data = results["config"], recall_data(results)
     t, m, tr = cfg["task"], cfg["model"], cfg["train"]
     sampling = "with repeats" if t.get("queries_with_replacement", False) else "each key once"
     lines = [f"Multi-query associative recall, {t['num_pairs']} pairs, {t['num_queries']} queries ({sampling}), "
              f"two-token keys from {t['num_key_symbols']} symbols, {t['num_values']} values; d_model={m['d_model']}, "
-             f"{m['num_layers']} layers, batch {tr['batch_size']}, {tr['num_steps']} steps, lr {tr['learning_rate']:g}, "
+             f"{m['num_layers']} layers, batch {tr['batch_size']}, {tr['num_steps']} steps, lr " + _rates(data) + ", "
              f"held-out evaluation every {tr['eval_every']} steps on {tr['eval_size']} rows; {cfg['num_seeds']} seeds. "
              "Mean [95 % t interval, n-1 dof]; a share of seeds with Wilson's 95 % interval.", "",
              report.recall_reference(data), "", report.recall_table(data)]
@@ -269,6 +310,14 @@ def summary_markdown(results: dict) -> str:
         lines += ["", f"Seed-paired differences against h={min(map(int, results['heads']))}, mean [95 % t interval], "
                   "paired t test p and p Holm-adjusted over the family:", "", report.recall_comparisons(data)]
     return "\n".join(lines) + "\n"
+
+
+def _rates(data: dict) -> str:
+    """'3e-3' when every h shares one peak rate, else 'h=1: 1e-3, h=2: 3e-3, ...'."""
+    rates = {int(h): r["learning_rate"] for h, r in data["heads"].items()}
+    if len(set(rates.values())) == 1:
+        return f"{next(iter(rates.values())):g}"
+    return ", ".join(f"h={h}: {lr:g}" for h, lr in sorted(rates.items()))
 
 
 def plot(results: dict, out: Path) -> None:
@@ -316,6 +365,17 @@ def plot(results: dict, out: Path) -> None:
     save_figure(fig, out / "recall_vs_heads.png")
 
 
+def _finished(path: Path, config: dict) -> dict:
+    """The head counts `path` already holds from the same configuration (a rerun resumes
+    where it stopped); SystemExit naming the file when it holds another configuration."""
+    if not path.exists():
+        return {}
+    saved = common.read_results(path, lambda d: None if isinstance(d, dict) and "heads" in d else "it has no heads")
+    if saved.get("config") != config:
+        raise SystemExit(f"error: {path} holds runs of another configuration; pass another --out or delete it")
+    return saved["heads"]
+
+
 def main(argv=None) -> dict:
     args, cfg = parse(argv)
     common.use_agg_backend()
@@ -327,13 +387,17 @@ def main(argv=None) -> dict:
         plot(results, args.out)
         print(summary_markdown(results))
         return results
-    results = {"config": {"task": task_to_dict(cfg.task), "model": dataclasses.asdict(cfg.model),
-                          "train": dataclasses.asdict(cfg.train), "num_seeds": cfg.num_seeds,
-                          "solved_accuracy": cfg.solved_accuracy},
-               "metadata": common.run_metadata(), "reference": reference_lines(cfg.task), "heads": {}}
-    print(f"recall task: {cfg.task}; d_model={cfg.model.d_model}, heads {cfg.heads}, {cfg.num_seeds} seeds; "
-          f"writing to {args.out}/", flush=True)
+    config = json.loads(json.dumps({"task": task_to_dict(cfg.task), "model": dataclasses.asdict(cfg.model),
+                                    "train": dataclasses.asdict(cfg.train), "num_seeds": cfg.num_seeds,
+                                    "seed": cfg.seed, "learning_rates": cfg.learning_rates,
+                                    "eval_on": args.eval_on, "solved_accuracy": cfg.solved_accuracy}))
+    results = {"config": config, "metadata": common.run_metadata(), "reference": reference_lines(cfg.task),
+               "heads": _finished(args.out / "results.json", config)}
+    print(f"recall task: {cfg.task}; d_model={cfg.model.d_model}, heads {cfg.heads}, {cfg.num_seeds} seeds, "
+          f"evaluated on {args.eval_on}; writing to {args.out}/", flush=True)
     for h in cfg.heads:
+        if str(h) in results["heads"]:
+            continue
         results["heads"][str(h)] = train_heads(h, cfg, not args.no_progress)
         write_json(args.out / "results.json", results)
     text = summary_markdown(results)

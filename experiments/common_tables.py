@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from jax_mha.lab import stats
 
 DASH = "–"
@@ -168,13 +170,28 @@ def lm_pruning_spearman(data: dict) -> str:
 
 
 def lm_pruning_induction(data: dict) -> str:
-    rows = []
+    """Losses with no head gated / the top-2 gated / the bottom-2 gated, and where the
+    artifact has them, the matched controls' mean and the share of control draws that
+    raise the second-copy loss at least as much as the top-2 do."""
+    rows, controlled = [], all("controls" in s["induction"] for s in data["seeds"])
     for s in data["seeds"]:
         arms = s["induction"]
-        cell = lambda key: " / ".join(num(arms[a][key], 3) for a in ("none", "top", "bottom"))
-        rows.append([s["seed"], ", ".join(f"({l}, {h})" for l, h in arms["top"]["heads"]),
-                     cell("second_copy_loss"), cell("late_loss"), cell("early_loss")])
-    return table(["seed", "top-2 heads", "second copy", "late positions", "early positions"], ["r", "l", "l", "l", "l"], rows)
+        means = {key: float(np.mean(arms["controls"][key])) for key in arms.get("controls", {}) if key != "heads"}
+
+        def cell(key):
+            values = [arms[a][key] for a in ("none", "top", "bottom")] + ([means[key]] if controlled else [])
+            return " / ".join(num(v, 3) for v in values)
+
+        row = [s["seed"], ", ".join(f"({l}, {h})" for l, h in arms["top"]["heads"]),
+               cell("second_copy_loss"), cell("late_loss"), cell("early_loss")]
+        if controlled:
+            c = np.asarray(arms["controls"]["second_copy_loss"])
+            row.append(f"{int((c >= arms['top']['second_copy_loss']).sum())} of {c.size}")
+        rows.append(row)
+    header = ["seed", "top-2 heads", "second copy", "late positions", "early positions"]
+    if controlled:
+        header.append("controls ≥ top-2, second copy")
+    return table(header, ["r", "l", "l", "l", "l"] + (["r"] if controlled else []), rows)
 
 
 def ngram_table(data: dict) -> str:
@@ -188,11 +205,48 @@ def literal_block(data: dict, block: str) -> str:
     return table(t["header"], t["align"], t["rows"])
 
 
+def best_rates(data: dict) -> dict[int, tuple[float, bool]]:
+    """Per head count of an `lr_grid` file: `(rate of the best mean, bracketed)`, where
+    bracketed means a lower and a higher rate were also tried (the best is not at an
+    edge of the grid)."""
+    better = min if data["lower_is_better"] else max
+    out = {}
+    for h in sorted({c["heads"] for c in data["cells"]}):
+        cells = {c["lr"]: float(np.mean(c["values"])) for c in data["cells"] if c["heads"] == h}
+        best = better(cells, key=cells.get)
+        out[h] = (best, min(cells) < best < max(cells))
+    return out
+
+
+def lr_grid_table(data: dict) -> str:
+    """Rows: head counts; columns: rates, each mean ± sample std over seeds of the
+    selection metric (the best of each row in bold); then the chosen rate and whether
+    the grid brackets it."""
+    rates = sorted({c["lr"] for c in data["cells"]})
+    cells = {(c["heads"], c["lr"]): c["values"] for c in data["cells"]}
+    best = best_rates(data)
+    rows = []
+    for h, (chosen, bracketed) in best.items():
+        row = [h]
+        for lr in rates:
+            values = cells.get((h, lr))
+            if values is None:
+                row.append(DASH)
+                continue
+            iv = stats.t_interval(values)
+            text = f"{num(iv.mean, 3)} ± {num(iv.std, 3) if iv.n > 1 else DASH}"
+            row.append(f"**{text}**" if lr == chosen else text)
+        rows.append(row + [f"{chosen:g}", "yes" if bracketed else "no (edge of the grid)"])
+    header = ["heads", *(f"lr {lr:g}" for lr in rates), "chosen", "bracketed"]
+    return table(header, ["r"] * len(header), rows)
+
+
 RENDERERS: dict[str, dict[str, Callable[[dict], str]]] = {
     "lm_sweep": {"table": lm_sweep_table, "comparisons": lm_sweep_comparisons},
     "recall": {"reference": recall_reference, "table": recall_table, "comparisons": recall_comparisons},
     "lm_pruning": {"table": lm_pruning_table, "spearman": lm_pruning_spearman, "induction": lm_pruning_induction},
     "ngram": {"table": ngram_table},
+    "lr_grid": {"table": lr_grid_table},
 }
 
 

@@ -53,10 +53,13 @@ def main(argv=None) -> dict:
     task = TextTaskConfig(seq_len=args.seq_len)
     baselines = ngram_baselines(task.corpus)
     results = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-               "metadata": common.run_metadata(), "ngram_bpc": baselines, "runs": []}
+               "metadata": common.run_metadata(), "ngram_bpc": baselines, "runs": _finished(args)}
     print("n-gram bpc on this split: " + ", ".join(f"{n}-gram {b:.3f}" for n, b in baselines.items()), flush=True)
+    done = {(r["heads"], r["lr"]) for r in results["runs"]}
     for h in args.heads:
         for lr in args.lrs:
+            if (h, lr) in done:
+                continue
             model = ModelConfig(vocab_size=task.vocab_size, max_len=args.seq_len, d_model=args.d_model,
                                 d_ff=4 * args.d_model, num_heads=h, num_layers=args.layers)
             train = TrainConfig(batch_size=args.batch_size, num_steps=args.steps, learning_rate=lr,
@@ -77,10 +80,37 @@ def main(argv=None) -> dict:
                 "wall_seconds": time.perf_counter() - start, "tokens_per_second": r.tokens_per_second})
             write_json(args.out / "results.json", results)
     text = summary(results)
+    write_json(args.out / "artifact.json", artifact(results))  # what docs/results/data/ takes (experiments.report)
     write_atomic(args.out / "summary.md", text)
     plot(results, args.out)
     print("\n" + text)
     return results
+
+
+# The arguments that make two runs of the same (heads, lr) pair comparable.
+_SAME_RUN = ("steps", "seeds", "d_model", "layers", "seq_len", "batch_size", "warmup")
+
+
+def _finished(args) -> list[dict]:
+    """The runs `--out` already holds from the same settings (a rerun resumes, and
+    more head counts or rates extend the grid); none when the settings differ."""
+    path = args.out / "results.json"
+    if not path.exists():
+        return []
+    saved = common.read_results(path, lambda d: None if isinstance(d, dict) and "runs" in d else "it has no runs")
+    if any(saved["args"].get(k) != getattr(args, k) for k in _SAME_RUN):
+        raise SystemExit(f"error: {path} holds runs with other settings; pass another --out")
+    return saved["runs"]
+
+
+def artifact(results: dict) -> dict:
+    """The learning-rate grid as the results pages read it (`experiments.report`, kind
+    "lr_grid"): per (heads, lr), each seed's final dev bpc."""
+    return {"kind": "lr_grid", "metric": "dev bpc (64 windows, last evaluation)", "lower_is_better": True,
+            "settings": {k: results["args"][k] for k in _SAME_RUN},
+            "metadata": {k: results["metadata"].get(k) for k in ("cpu", "cpu_count", "commit", "dirty", "argv")},
+            "cells": [{"heads": r["heads"], "lr": r["lr"], "seeds": list(range(len(r["final_bpc"]))),
+                       "values": list(r["final_bpc"])} for r in results["runs"]]}
 
 
 def summary(results: dict) -> str:

@@ -28,6 +28,10 @@ also print their summaries with):
 - `lm_pruning`: per-seed pruning records (`experiments.head_pruning --task lm`);
   blocks `table`, `spearman`, `induction`.
 - `ngram`: the n-gram baselines of a split; block `table`.
+- `lr_grid`: a learning-rate grid per head count (`experiments.lm_sizing`, or
+  `experiments.associative_recall --eval-on dev` runs merged): per (h, lr) cell the
+  per-seed values of the selection metric on the dev set; block `table` (the chosen
+  rate per h and whether the grid brackets it).
 - `literal`: tables whose cells are stored as printed, for numbers whose per-seed values
   were never recorded; each says so (`traced: false` and a `note`), blocks named by the file.
 """
@@ -47,6 +51,7 @@ from experiments.common_tables import (  # noqa: F401  (re-exported: the rendere
     lm_pruning_spearman,
     lm_pruning_table,
     lm_sweep_comparisons,
+    lr_grid_table,
     lm_sweep_table,
     ngram_table,
     recall_comparisons,
@@ -115,6 +120,10 @@ def merge(paths: Sequence[Path]) -> dict:
     """
     parts = [json.loads(Path(p).read_text(encoding="utf-8")) for p in paths]
     kinds = {p.get("kind") for p in parts}
+    if kinds == {"lr_grid"}:  # several runs of one grid: their cells side by side
+        merged = {k: v for k, v in parts[0].items() if k != "cells"}
+        merged["cells"] = sorted((c for p in parts for c in p["cells"]), key=lambda c: (c["heads"], c["lr"]))
+        return merged
     if len(kinds) != 1 or "seeds" not in parts[0]:
         raise ValueError(f"--merge needs artifacts of one kind with per-seed records, got kinds {sorted(map(str, kinds))}")
     merged = {k: v for k, v in parts[0].items() if k != "seeds"}
@@ -137,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError) as e:
             p.error(str(e))
         args.output.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-        print(f"wrote {args.output} ({len(data['seeds'])} seeds)")
+        print(f"wrote {args.output} ({len(data.get('seeds', data.get('cells', [])))} records)")
         return 0
     problems = run(args.pages, check=args.check)
     for problem in problems:
