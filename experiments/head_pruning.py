@@ -391,8 +391,11 @@ def lm_artifact(results: dict, m: common.StudyModel) -> dict:
     base, total = results["base_bpc"], results["total_heads"]
     steps = {o: results["pruning"][o]["steps"] for o in analysis.ORDERS}
     at = lambda o, k: next((results["bpc_curves"][o][i] for i, s in enumerate(steps[o]) if s["num_pruned"] == k), None)
-    arms = {name: {key: arm[key] for key in ("heads", "second_copy_loss", "late_loss", "early_loss")}
-            for name, arm in results["induction_check"]["arms"].items()}
+    keys = ("heads", "second_copy_loss", "late_loss", "early_loss")
+    arms = {name: {key: arm[key] for key in keys} for name, arm in results["induction_check"]["arms"].items()
+            if name != "controls"}
+    if "controls" in results["induction_check"]["arms"]:  # the matched controls' per-draw losses
+        arms["controls"] = {key: [c[key] for c in results["induction_check"]["arms"]["controls"]] for key in keys}
     return {"kind": "lm_pruning", "split": "test", "task": results["config"]["task"], "machine": common.cpu_model(),
             "seeds": [{"seed": checkpoint_seed(m.source.get("path")), "checkpoint": m.source.get("path"),
                        "total_heads": total, "unpruned_bpc": base, "all_off_bpc": results["all_heads_off_bpc"],
@@ -407,11 +410,13 @@ ORDER_LABELS_LM = {"importance": "by gradient importance I(l,h)", "oracle": "by 
 STOP_RULES = {"copy": "stop before held-out token accuracy falls more than 1 point (absolute) below the unpruned model",
               "lm": "stop before validation bpc rises more than 1 % (relative) above the unpruned model"}
 INDUCTION_GATED = 2  # heads gated in the causal induction check (and, as control, as many of the lowest)
+INDUCTION_CONTROLS = 20  # matched control draws: as many random heads of the same layers
 
 
 def lm_induction_check(m: common.StudyModel, model: Decoder) -> dict:
     """Prefix matching on repeated real validation spans, then Olsson et al.'s causal
-    check: gate the top heads (and, as a control, the bottom ones)."""
+    check: gate the top heads, against the bottom ones and against random heads of the
+    same layers (the matched control)."""
     from jax_mha.lab.text import PROBE_ROWS, induction_probes
 
     probe = jnp.asarray(induction_probes(m.task)["spans"])
@@ -419,7 +424,8 @@ def lm_induction_check(m: common.StudyModel, model: Decoder) -> dict:
     weights = analysis.attention_weights(m.params, model, probe)
     scores = np.asarray(head_types.prefix_matching_score(weights, r))
     text = m.task.windows("test", PROBE_ROWS)["inputs"]
-    arms = analysis.induction_gating_check(m.params, model, probe, r, text, scores, k=INDUCTION_GATED)
+    arms = analysis.induction_gating_check(m.params, model, probe, r, text, scores, k=INDUCTION_GATED,
+                                            controls=INDUCTION_CONTROLS)
     return {"prefix_matching_spans": scores, "chance": head_types.prefix_matching_chance(r), "arms": arms}
 
 

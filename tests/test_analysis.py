@@ -389,3 +389,39 @@ def test_induction_gating_check_gates_the_named_heads(setup):
         assert out[arm]["early_loss"] == pytest.approx(float(nll[:, 1:3].mean()), rel=1e-5)
         assert out[arm]["late_loss"] == pytest.approx(float(nll[:, -3:].mean()), rel=1e-5)
     assert out["top"]["second_copy_loss"] != out["none"]["second_copy_loss"]  # gating changed something
+
+
+def test_same_layer_controls_match_the_arm_layer_by_layer():
+    scores = np.zeros((3, 5))
+    heads = [(1, 2), (1, 4), (2, 0)]
+    draws = analysis.same_layer_controls(scores, heads, draws=40, seed=3)
+    assert len(draws) == 40
+    for d in draws:
+        assert sorted(layer for layer, _ in d) == [1, 1, 2]  # as many from each layer as the arm
+        assert not set(d) & set(heads) and len(set(d)) == 3
+    assert len({tuple(d) for d in draws}) > 1  # random, not one fixed set
+    with pytest.raises(ValueError, match="layer 1 has 1 other heads"):
+        analysis.same_layer_controls(np.zeros((2, 3)), [(1, 0), (1, 1)], draws=1)
+
+
+def test_induction_gating_check_controls_are_gated_losses(setup):
+    model, params, batch = setup
+    r = 5
+    probe = jnp.concatenate([batch["inputs"][:, :r], batch["inputs"][:, :r]], axis=1)
+    text = batch["inputs"]
+    scores = np.array([[0.1, 0.9, 0.2], [0.3, 0.05, 0.8]])
+    out = analysis.induction_gating_check(params, model, probe, r, text, scores, k=1, controls=4, seed=0,
+                                          early=(1, 3), late_from_end=3)
+    assert len(out["controls"]) == 4
+    for c in out["controls"]:
+        (layer, head), = c["heads"]
+        assert layer == 0 and head != 1  # the top head (0, 1) lives in layer 0
+        twin = analysis.induction_gating_check(params, model, probe, r, text, _only(layer, head),
+                                               k=1, early=(1, 3), late_from_end=3)["top"]
+        assert c["second_copy_loss"] == pytest.approx(twin["second_copy_loss"], rel=1e-6)
+
+
+def _only(layer, head):
+    s = np.zeros((LAYERS, HEADS))
+    s[layer, head] = 1.0
+    return s

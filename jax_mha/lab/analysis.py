@@ -3,7 +3,7 @@ statistics — for any model with head gates.
 
 A model is a `jax_mha.lab.patching.HeadModel`: a function `apply(params, inputs, gates,
 *, attention_fn=None) -> logits` with its number of layers and heads, so a user's own
-linen or NNX model plugs in (docs/studies/own_model.md); the trainer's
+linen or NNX model plugs in (docs/results/own_model.md); the trainer's
 `jax_mha.lab.models.Decoder` is accepted as it is (`patching.as_head_model` wraps it).
 Importance, the oracle, pruning and bpc call `apply` with gates only; attention maps
 read the weights through `attention_fn` (`patching.run_with_cache`).
@@ -579,17 +579,57 @@ def gates_without(shape: tuple[int, int], heads) -> np.ndarray:
     return gates
 
 
+def same_layer_controls(scores, heads, draws: int, seed: int = 0) -> list[list[tuple[int, int]]]:
+    """Matched controls for gating `heads`: `draws` random sets of as many other heads,
+    each drawn from the same layers in the same numbers (a layer holding two of `heads`
+    gives two of its other heads), so a control removes as much of each layer as the arm
+    it is compared with. Sets repeat when a layer has few other heads.
+
+    Args:
+      scores: `(num_layers, H)`; only its shape is read.
+      heads: the (layer, head) pairs of the arm to match.
+      draws: how many control sets.
+      seed: NumPy seed of the draws.
+
+    Raises:
+      ValueError: if a layer has fewer other heads than the arm takes from it.
+    """
+    shape = np.shape(scores)
+    rng = np.random.default_rng(seed)
+    taken = {layer: [h for (l, h) in heads if l == layer] for layer in {l for l, _ in heads}}
+    for layer, hs in taken.items():
+        if shape[1] - len(hs) < len(hs):
+            raise ValueError(f"layer {layer} has {shape[1] - len(hs)} other heads, fewer than the {len(hs)} "
+                             f"to match; gate fewer heads (k)")
+    return [[(layer, int(h)) for layer, hs in sorted(taken.items())
+             for h in rng.choice([h for h in range(shape[1]) if h not in hs], size=len(hs), replace=False)]
+            for _ in range(draws)]
+
+
+def _gated_losses(params, model: HeadModel, heads, probe, repeat_length, text_inputs, early, late_from_end) -> dict:
+    gates = jnp.asarray(gates_without(model.gate_shape, heads))
+    copying = head_types.copying_effect(model.apply(params, probe, gates), probe, repeat_length)
+    nll = head_types.token_losses(model.apply(params, text_inputs, gates), text_inputs)
+    tt = nll.shape[1]  # T - 1 scored positions
+    return {"heads": [tuple(h) for h in heads], "second_copy_loss": float(copying["second_copy_loss"]),
+            "first_copy_loss": float(copying["first_copy_loss"]),
+            "early_loss": float(nll[:, early[0] : early[1]].mean()),
+            "late_loss": float(nll[:, tt - late_from_end :].mean())}
+
+
 def induction_gating_check(
     params, model: Model, probe: jax.Array, repeat_length: int, text_inputs: jax.Array, scores, *, k: int = 2,
-    early: tuple[int, int] | None = None, late_from_end: int | None = None,
+    early: tuple[int, int] | None = None, late_from_end: int | None = None, controls: int = 0, seed: int = 0,
 ) -> dict:
-    """Olsson et al.'s causal test: gate the `k` heads of highest prefix-matching score
-    and see what breaks, against gating the `k` heads of lowest score (a control that
-    removes as many heads).
+    """Olsson et al.'s causal test: gate (zero-ablate) the `k` heads of highest
+    prefix-matching score and see what breaks, against gating the `k` heads of lowest
+    score, and against `controls` matched controls: random heads of the same layers
+    (`same_layer_controls`), which remove as much of each layer as the top arm does.
 
     If those heads do induction, gating them should raise the second-copy loss of the
     repeated probe and the loss at late positions of real text (where earlier context
-    can be copied), and leave the early positions (little context) about where they were.
+    can be copied) more than a matched control does, and leave the early positions
+    (little context) about where they were.
 
     Args:
       params: the trained decoder's parameters.
@@ -600,29 +640,24 @@ def induction_gating_check(
         targets: the last position is not scored).
       scores: `(num_layers, H)` prefix-matching scores, measured on the probe.
       k: heads gated in each arm.
-      early: the early ICL range (default as `head_types.icl_score` scaled to T).
-      late_from_end: the late ICL range, likewise.
+      early: the early positions `[a, b)` (default `(T // 16, T // 8)`, as the trainer's ICL score).
+      late_from_end: the late positions, the last this many scored ones (default `T // 8`).
+      controls: matched control draws (0: none).
+      seed: seed of the control draws.
 
     Returns:
       dict with, for arms "none", "top" and "bottom": `second_copy_loss`,
-      `first_copy_loss`, `early_loss`, `late_loss` (nats), and `heads` of each arm.
+      `first_copy_loss`, `early_loss`, `late_loss` (nats), and `heads` of each arm;
+      with `controls`, "controls": a list of such dicts, one per draw.
     """
     t = text_inputs.shape[1]
     early = early or (max(1, t // 16), max(2, t // 8))
     late_from_end = late_from_end or max(1, t // 8)
     model = as_head_model(model)
-    shape = model.gate_shape
-    order = top_heads(scores, int(np.prod(shape)))
+    order = top_heads(scores, int(np.prod(model.gate_shape)))
     arms = {"none": [], "top": order[:k], "bottom": order[::-1][:k]}
-    out = {}
-    for name, heads in arms.items():
-        gates = jnp.asarray(gates_without(shape, heads))
-        probe_logits = model.apply(params, probe, gates)
-        copying = head_types.copying_effect(probe_logits, probe, repeat_length)
-        nll = head_types.token_losses(model.apply(params, text_inputs, gates), text_inputs)
-        tt = nll.shape[1]  # T - 1 scored positions
-        out[name] = {"heads": heads, "second_copy_loss": float(copying["second_copy_loss"]),
-                     "first_copy_loss": float(copying["first_copy_loss"]),
-                     "early_loss": float(nll[:, early[0] : early[1]].mean()),
-                     "late_loss": float(nll[:, tt - late_from_end :].mean())}
+    run = lambda heads: _gated_losses(params, model, heads, probe, repeat_length, text_inputs, early, late_from_end)
+    out = {name: run(heads) for name, heads in arms.items()}
+    if controls:
+        out["controls"] = [run(heads) for heads in same_layer_controls(scores, arms["top"], controls, seed)]
     return out

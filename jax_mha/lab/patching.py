@@ -15,7 +15,7 @@ layer's `q (B, H, N, D)`, `k (B, K, S, D)`, `v (B, K, S, Dv)` after the projecti
 RoPE, QK-norm), and returns the per-head outputs `(B, H, N, Dv)` before the gates and the
 output projection. Layers are numbered in the order the forward pass calls attention.
 `jax_mha.lab.models.Decoder` is turned into a `HeadModel` by `as_head_model`; a user's
-own linen or NNX model is wrapped by hand (docs/studies/own_model.md has an NNX example).
+own linen or NNX model is wrapped by hand (docs/results/own_model.md has an NNX example).
 
 Grouped-query attention (K < H key/value heads): a key or value patch names either a
 key/value head, which every query head of its group reads (`kv_scope="group"`), or a
