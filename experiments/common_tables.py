@@ -195,9 +195,14 @@ def lm_pruning_induction(data: dict) -> str:
 
 
 def ngram_table(data: dict) -> str:
+    """One row per split the file holds: the dev split's (where choices are made) when
+    present, then the reported split's."""
     orders = sorted(data["bpc"], key=int)
-    return table(["n", *orders], ["l"] + ["r"] * len(orders),
-                 [[f"{data.get('split', 'test')} bpc", *(num(data["bpc"][n], 3) for n in orders)]])
+    chars = data.get("characters", {})
+    label = lambda split: f"{split} bpc" + (f" ({chars[split]:,} characters)" if split in chars else "")
+    rows = [[label("dev"), *(num(data["dev_bpc"][n], 3) for n in orders)]] if "dev_bpc" in data else []
+    rows.append([label(data.get("split", "test")), *(num(data["bpc"][n], 3) for n in orders)])
+    return table(["n-gram order", *orders], ["l"] + ["r"] * len(orders), rows)
 
 
 def literal_block(data: dict, block: str) -> str:
