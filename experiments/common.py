@@ -337,6 +337,11 @@ PRESETS: dict[str, Callable[[], AblationConfig]] = {"quick": quick, "full": full
 # ----------------------------------------------------------------- presets of the character language model
 
 
+# The quick preset's peak learning rate per head count: the best of the dev-split grid
+# in docs/results/data/lm_quick_lr_grid.json (tests/test_report.py checks they agree).
+QUICK_RATES: tuple[tuple[int, float], ...] = ((1, 1e-2), (2, 1e-2), (4, 1e-2), (8, 1e-2), (16, 1e-2))
+
+
 def _lm_preset(seq_len: int, d_model: int, train: TrainConfig, track_induction: bool = False, **kw) -> AblationConfig:
     task = TextTaskConfig(seq_len=seq_len, track_induction=track_induction)
     model = ModelConfig(vocab_size=task.vocab_size, max_len=seq_len, d_model=d_model, d_ff=4 * d_model,
@@ -345,28 +350,22 @@ def _lm_preset(seq_len: int, d_model: int, train: TrainConfig, track_induction: 
 
 
 def lm_quick() -> AblationConfig:
-    """Every head count, h = 1 … 16 x 3 seeds, within 15 minutes on a quiet 2-core CPU
-    and past the held-out trigram (2.59 bpc): d_model=64, 2 layers, 64-character
-    windows, batch 64, 700 steps (2.9 M characters per seed), lr 1e-2 at every h,
-    induction evidence tracked at every evaluation. Sized by the sweep in
-    docs/results/lm_heads.md ("Choosing the presets"): at this width 1e-2 beat 6e-3
-    at both h=1 and h=16 (and 2e-2 diverged for one h=1 seed), and 64-character
-    windows halve the attention cost per character that makes h=16 the slowest."""
+    """Every head count, h = 1 … 16 x 3 seeds, sized for 15 minutes on a quiet 2-core
+    CPU: d_model=64, 2 layers, 64-character windows, batch 64, 700 steps (2.9 M
+    characters per seed), induction evidence tracked at every evaluation. Each h
+    trains at its own peak rate (`QUICK_RATES`), the best of a grid that brackets it,
+    chosen on the dev split (`experiments.lm_sizing`; the grid is on
+    docs/results/lm_heads.md); the test split is reported."""
     return _lm_preset(64, 64, TrainConfig(batch_size=64, num_steps=700, learning_rate=1e-2, warmup_steps=50,
                                           steps_per_call=50, eval_every=100, eval_size=64, early_stop=False),
-                      track_induction=True, heads=(1, 2, 4, 8, 16), num_seeds=3)
+                      track_induction=True, heads=(1, 2, 4, 8, 16), num_seeds=3, learning_rates=QUICK_RATES)
 
 
 def lm_standard() -> AblationConfig:
-    """The results pages' preset, in the regime where heads matter: d_model=128,
-    2 layers, 128-character windows, batch 32, 800 steps (3.3 M characters per seed, 7.8
-    passes over the training split), h = 1 … 16 x 3 seeds, induction evidence tracked at
-    every evaluation; past the held-out 4-gram (1.90 bpc) at every h measured. One
-    learning rate, 6e-3, for every h: in 300-step runs (`experiments.lm_sizing`,
-    docs/results/lm_heads.md) 6e-3 beat 3e-3 and 1e-3 at both h=1 (head size 128) and
-    h=16 (head size 8). It was named `quick` before the quick preset was sized to 15
-    minutes; the values are unchanged, so its results (a seed reads the same batches)
-    are the ones lm_heads.md reports."""
+    """The wider preset: d_model=128, 2 layers, 128-character windows, batch 32, 800
+    steps (3.3 M characters per seed), h = 1 … 16 x 3 seeds, induction evidence tracked
+    at every evaluation; one peak rate, 6e-3, for every h (no per-h grid was run at
+    this width, which docs/results/lm_heads.md states beside its numbers)."""
     return _lm_preset(128, 128, TrainConfig(batch_size=32, num_steps=800, learning_rate=6e-3, warmup_steps=50,
                                             steps_per_call=50, eval_every=100, eval_size=64, early_stop=False),
                       track_induction=True, heads=(1, 2, 4, 8, 16), num_seeds=3)
@@ -374,8 +373,7 @@ def lm_standard() -> AblationConfig:
 
 def lm_full() -> AblationConfig:
     """d_model=128, 2 layers, 128-character windows, 2000 steps of 32 windows, 3 seeds,
-    lr 2e-3 (the earlier long preset, kept so its results folders still resume; the
-    issue-22 studies use `standard`)."""
+    lr 2e-3 (the earlier long preset, kept so its results folders still resume)."""
     return _lm_preset(128, 128, TrainConfig(batch_size=32, num_steps=2000, learning_rate=2e-3, warmup_steps=100,
                                             steps_per_call=50, eval_every=250, eval_size=128, early_stop=False),
                       heads=(1, 2, 4, 8, 16), num_seeds=3)
@@ -416,13 +414,21 @@ def describe_task(task) -> str:
     return f"copy L={task.length}{' reversed' if task.reverse else ''} (T={task.seq_len})"
 
 
+def describe_rates(cfg: AblationConfig) -> str:
+    """'lr 3e-3' when every swept h trains at one peak rate, else 'lr per h: 1: 1e-2, 2: 5e-3, …'."""
+    rates = {h: cfg.train_for(h).learning_rate for h in cfg.heads}
+    if len(set(rates.values())) == 1:
+        return f"lr {next(iter(rates.values())):g}"
+    return "lr per h: " + ", ".join(f"{h}: {lr:g}" for h, lr in rates.items())
+
+
 def describe_preset(cfg: AblationConfig) -> str:
     """One line with every value a preset sets."""
     t, m, tr = cfg.task, cfg.model, cfg.train
     if t.name == "lm":
         return (f"{describe_task(t)}, d_model={m.d_model}, d_ff={m.d_ff}, {m.num_layers} layer(s), heads "
                 f"{' '.join(map(str, cfg.heads))} (analysed: {cfg.analysis_heads}), {cfg.num_seeds} seeds from "
-                f"{cfg.seed}, batch {tr.batch_size}, {tr.num_steps} steps (no early stop), lr {tr.learning_rate:g}, "
+                f"{cfg.seed}, batch {tr.batch_size}, {tr.num_steps} steps (no early stop), {describe_rates(cfg)}, "
                 f"warmup {tr.warmup_steps}, validation bpc every {tr.eval_every} steps on {tr.eval_size} windows")
     return (f"copy L={t.length} ({t.num_symbols} symbols; sequences of {2 * t.length + 3} tokens, the model reads "
             f"T={t.seq_len}), d_model={m.d_model}, d_ff={m.d_ff}, {m.num_layers} layer(s), heads "
@@ -710,7 +716,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """The options choosing the analysed model (head_pruning, attention_maps)."""
     p.add_argument("--task", choices=TASK_CHOICES, default="copy", help="the task the model was trained on (default copy)")
     p.add_argument("--preset", choices=sorted(set(PRESETS) | set(LM_PRESETS)), default="full",
-                   help="analyse this head_ablation preset's model (default full, the one docs/studies reports; values below)")
+                   help="analyse this head_ablation preset's model (default full, the one docs/results/head_pruning.md reports; values below)")
     p.add_argument("--text", type=Path, help="--task lm: a UTF-8 text file as corpus (default: the Python Language "
                    "Reference from pydoc_data)")
     p.add_argument("--heads", type=positive_int, help="its head count (default: the preset's analysed one, 8)")

@@ -210,6 +210,36 @@ def literal_block(data: dict, block: str) -> str:
     return table(t["header"], t["align"], t["rows"])
 
 
+def induction_definitions(seq_len: int) -> str:
+    """What the induction table's columns mean, for windows of `seq_len` characters (the
+    ICL positions scale with T, as `jax_mha.lab.text.induction_metrics` takes them)."""
+    early, late = (max(1, seq_len // 16), max(2, seq_len // 8)), max(1, seq_len // 8)
+    return ("Induction evidence at the last evaluation (`jax_mha.lab.text.induction_metrics`). Prefix matching: "
+            "mean weight on the key after the query's first occurrence, over the second copy of 32 repeated rows "
+            "(real dev spans; distinct frequent characters); 'x chance' divides by uniform causal attention's "
+            "score. Copying: first-copy minus second-copy loss (nats; positive = the repeat is predicted better). "
+            f"ICL score: mean loss at the last {late} positions minus positions {early[0]}–{early[1] - 1} of "
+            f"{seq_len}-character dev windows (T/8 and T/16 … T/8 − 1; nats; negative = the later context helps).")
+
+
+def lm_sweep_induction(data: dict) -> str:
+    """One row per model: its best prefix-matching head and the other induction evidence."""
+    rows = [[r["heads"], r["seed"], f"({r['best_head_spans'][0]}, {r['best_head_spans'][1]})",
+             num(r["prefix_matching_spans"], 3), num(r["prefix_matching_spans"] / r["chance"], 1),
+             num(r["prefix_matching_frequent"], 3), num(r["copying_spans"], 3, sign=True),
+             num(r["copying_frequent"], 3, sign=True), num(r["icl_score"], 3, sign=True)] for r in data["induction"]]
+    return table(["heads", "seed", "best head, spans (layer, head)", "prefix matching, spans", "x chance",
+                  "best, frequent", "copying, spans", "copying, frequent", "ICL score"],
+                 ["r", "r", "l", "r", "r", "r", "r", "r", "r"], rows)
+
+
+def lm_sweep_rates(data: dict) -> str:
+    """The peak learning rate each head count trained at."""
+    rates = data.get("learning_rates") or {}
+    return table(["heads", *sorted(rates, key=int)], ["l"] + ["r"] * len(rates),
+                 [["peak lr", *(f"{rates[h]:g}" if rates[h] is not None else DASH for h in sorted(rates, key=int))]])
+
+
 def best_rates(data: dict) -> dict[int, tuple[float, bool]]:
     """Per head count of an `lr_grid` file: `(rate of the best mean, bracketed)`, where
     bracketed means a lower and a higher rate were also tried (the best is not at an
@@ -247,7 +277,8 @@ def lr_grid_table(data: dict) -> str:
 
 
 RENDERERS: dict[str, dict[str, Callable[[dict], str]]] = {
-    "lm_sweep": {"table": lm_sweep_table, "comparisons": lm_sweep_comparisons},
+    "lm_sweep": {"table": lm_sweep_table, "comparisons": lm_sweep_comparisons, "induction": lm_sweep_induction,
+                 "rates": lm_sweep_rates},
     "recall": {"reference": recall_reference, "table": recall_table, "comparisons": recall_comparisons},
     "lm_pruning": {"table": lm_pruning_table, "spearman": lm_pruning_spearman, "induction": lm_pruning_induction},
     "ngram": {"table": ngram_table},

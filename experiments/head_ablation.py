@@ -224,7 +224,8 @@ def summarize_heads(h: int, result: SeedsResult, cfg: AblationConfig) -> dict:
     } for i, seed in enumerate(result.seeds)]
     tokens_per_program_step = cfg.train.batch_size * cfg.task.seq_len * len(result.seeds)
     return {
-        "heads": h, "head_dim": cfg.model_for(h).size_per_head, "steps_run": result.steps_run,
+        "heads": h, "head_dim": cfg.model_for(h).size_per_head, "learning_rate": cfg.train_for(h).learning_rate,
+        "steps_run": result.steps_run,
         "stop_reason": result.stop_reason, "resumed_from": result.resumed_from,
         "wall_seconds": result.wall_seconds, "train_seconds": result.train_seconds,
         "tokens_per_second": result.tokens_per_second,
@@ -551,28 +552,33 @@ def head_type_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def induction_markdown(results: dict) -> str:
-    """Markdown: at the last evaluation, every model's best prefix-matching head on each
-    probe against uniform attention's score, the copying effect and the ICL score."""
-    lines = ["Induction evidence at the last evaluation (`jax_mha.lab.text.induction_metrics`). Prefix matching: "
-             "mean weight on the key after the query's first occurrence, over the second copy of 32 repeated rows "
-             "(real validation spans; distinct frequent characters); 'x chance' divides by uniform causal "
-             "attention's score. Copying: first-copy minus second-copy loss (nats). ICL: loss at the last 16 "
-             "positions minus positions 8-15 of validation windows (nats; negative = the context helps).", "",
-             "| heads | seed | best head, spans (layer, head) | prefix matching, spans | x chance | best, frequent "
-             "| copying, spans | copying, frequent | ICL score |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+def induction_records(results: dict) -> list[dict]:
+    """Per model with induction tracking, its evidence at the last evaluation: the best
+    head on each probe, uniform attention's score, the copying effects and the ICL score."""
+    rows = []
     for key in sorted(results["heads"], key=int):
         for run in results["heads"][key]["runs"]:
             ev = run["eval_curve"]
             if "icl_score" not in ev:
                 continue
             spans, freq = np.asarray(ev["prefix_matching_spans"][-1]), np.asarray(ev["prefix_matching_frequent"][-1])
-            chance = float(np.asarray(ev["prefix_matching_chance"])[-1])
             layer, head = np.unravel_index(int(spans.argmax()), spans.shape)
-            lines.append(f"| {key} | {run['seed']} | ({layer}, {head}) | {spans.max():.3f} | {spans.max() / chance:.1f} | "
-                         f"{freq.max():.3f} | {float(ev['copying_spans'][-1]):.3f} | "
-                         f"{float(ev['copying_frequent'][-1]):.3f} | {float(ev['icl_score'][-1]):+.3f} |")
-    return "\n".join(lines) + "\n"
+            rows.append({"heads": int(key), "seed": run["seed"], "best_head_spans": [int(layer), int(head)],
+                         "prefix_matching_spans": float(spans.max()), "prefix_matching_frequent": float(freq.max()),
+                         "chance": float(np.asarray(ev["prefix_matching_chance"])[-1]),
+                         "copying_spans": float(ev["copying_spans"][-1]),
+                         "copying_frequent": float(ev["copying_frequent"][-1]), "icl_score": float(ev["icl_score"][-1])})
+    return rows
+
+
+def induction_markdown(results: dict) -> str:
+    """Markdown: at the last evaluation, every model's best prefix-matching head on each
+    probe against uniform attention's score, the copying effect and the ICL score
+    (the table `experiments.report` renders from the artifact, with its definitions)."""
+    from experiments import common_tables
+
+    data = {"seq_len": results["config"]["task"]["seq_len"], "induction": induction_records(results)}
+    return common_tables.induction_definitions(data["seq_len"]) + "\n\n" + common_tables.lm_sweep_induction(data) + "\n"
 
 
 def plot_lm_results(results: dict, out: Path) -> None:
@@ -617,7 +623,9 @@ def lm_artifact(results: dict) -> dict:
                       "tokens_per_second": r["tokens_per_second"]}
     return {"kind": "lm_sweep", "split": held_out_name(results["config"]["task"]), "task": results["config"]["task"],
             "command": " ".join(["python -m", MODULE, *meta.get("argv", [])[1:]]), "machine": meta.get("cpu"),
-            "commit": meta.get("commit"), "dirty": meta.get("dirty"), "heads": heads}
+            "commit": meta.get("commit"), "dirty": meta.get("dirty"), "heads": heads,
+            "learning_rates": {key: r.get("learning_rate") for key, r in results["heads"].items()},
+            "seq_len": results["config"]["task"]["seq_len"], "induction": induction_records(results)}
 
 
 def finish_lm(results: dict, cfg: AblationConfig, out: Path, save) -> None:
