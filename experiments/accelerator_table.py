@@ -7,6 +7,9 @@ takes on each platform and what each kernel says about the call.
 
 Nothing runs: each call is a description (`Visibility`) and shape structs (`Call`), at a
 training shape (B=8, H=16, N=S=4096, D=128, bfloat16) unless its row says otherwise.
+The `pallas_mgpu` column reads that kernel's own rules (`_pallas_mgpu.kernel_refusal`):
+its machine check refuses every call where no Hopper GPU and CUDA plugin are present,
+which says nothing about the call. It is named only, never in a platform's `auto` chain.
 tests/test_accelerator_table.py checks that the page holds exactly this output.
 """
 
@@ -21,17 +24,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mha import _dispatch, _masking
+from jax_mha import _dispatch, _masking, _pallas_mgpu
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "accelerators.md"
 BEGIN, END = "<!-- accelerator_table: begin -->", "<!-- accelerator_table: end -->"
 SHAPE = dict(b=8, h=16, k=16, n=4096, s=4096, d=128, dtype="bfloat16")
 # (platform, the kernels asked there) in the order of the table's columns.
-PLATFORMS = (("gpu", ("cudnn", "pallas_gpu")), ("tpu", ("pallas_tpu",)), ("cpu", ()))
+PLATFORMS = (("gpu", ("cudnn", "pallas_gpu", "pallas_mgpu")), ("tpu", ("pallas_tpu",)), ("cpu", ()))
+# Paths whose column reads a refusal other than the dispatcher's (see the docstring).
+RULES = {"pallas_mgpu": _pallas_mgpu.kernel_refusal}
 # (row label, Visibility parts, Call parts, shape changes)
 CASES = [
     ("causal", dict(is_causal=True), {}, {}),
     ("float32, causal", dict(is_causal=True), {}, dict(dtype="float32")),
+    ("float16, causal", dict(is_causal=True), {}, dict(dtype="float16")),
+    ("float16, GQA (K = H/4), N=1000, S=4000, no mask", {}, {}, dict(dtype="float16", k=4, n=1000, s=4000)),
     ("window left-only (128, 0)", dict(window=(128, 0)), {}, {}),
     ("causal + window (128, None)", dict(is_causal=True, window=(128, None)), {}, {}),
     ("window both sides (128, 128)", dict(window=(128, 128)), {}, {}),
@@ -51,6 +58,8 @@ CASES = [
     ("sinks", dict(sinks=True), {}, {}),
     ("return_residual (log-sum-exp)", dict(is_causal=True), dict(return_residual=True), {}),
     ("return_weights", dict(is_causal=True), dict(return_weights=True), {}),
+    ("decode step: N=1 at offset 4000, causal + window (128, None) + q/kv lengths",
+     dict(is_causal=True, window=(128, None), lengths=True, q_offset=4000), {}, dict(n=1)),
 ]
 
 
@@ -90,7 +99,7 @@ def table() -> str:
     notes: dict[str, int] = {}
 
     def cell(path: str, vis, call) -> str:
-        why = _dispatch.refusal(path, vis, call)
+        why = RULES[path](vis, call) if path in RULES else _dispatch.refusal(path, vis, call)
         if why is None:
             return "runs"
         number = notes.setdefault(short(why), len(notes) + 1)

@@ -6,11 +6,33 @@ The paths, each with its one `refusal(vis, call) -> str | None` beside it:
                 `WHOLE_SCORES_MAX_BYTES`; refuses nothing: the path of last resort
   "blockwise"   the engine in blocks (`blockwise`, `_flash`)
   "cudnn"       jax.nn's fused GPU kernel (`_cudnn`)
-  "pallas_tpu"  splash attention (`_pallas_tpu`); "pallas_gpu" Triton (`_pallas_gpu`)
+  "pallas_tpu"  splash attention (`_pallas_tpu`); "pallas_gpu" Triton (`_pallas_gpu`, decoding
+                steps on its decode kernel: `_pallas_gpu_decode`)
+  "pallas_mgpu" the Hopper FlashAttention-3 kernel (`_pallas_mgpu`), named only
 
 `"auto"` walks the chain of its platform (`AUTO_CHAIN`) and takes the first kernel
 that does not refuse, else the pure-JAX path; an explicit choice raises the path's
-refusal as a ValueError. Every path then runs between the same two steps: `sanitize`
+refusal as a ValueError.
+
+The platform `"auto"` chooses for is the one the computation is lowered for, not the
+process's default backend: `choose` walks the chain of every lowering platform
+(`LOWERING_PLATFORMS`, each chain with that platform's refusals) and `run` stages one
+branch per distinct choice with `jax.lax.platform_dependent`, which keeps only the
+branch of the platform it is lowered for. So `jax.export(..., platforms=["cuda"])` or
+`["tpu"]` on a CPU holds the compiled kernel, while the same jitted function run on a
+CPU runs the pure-JAX path; interpret mode belongs to kernels named explicitly. Calls
+every kernel refuses stage no branches; eager calls run only their own branch.
+cuDNN is the exception: jax.nn's cuDNN call reads the installed cuDNN version and the
+GPU's compute capability while it is traced, so the `"cuda"` branch takes cuDNN only
+when the process's default backend is a CUDA GPU; lowered for CUDA from any other
+host it holds the Triton kernel (or the pure-JAX path) instead. Under `jit` every
+distinct branch is traced but only the lowering platform's is compiled, so `jvp` of a
+jitted `"auto"` call works wherever its own branch supports it (on a CPU: always); a
+kernel branch is one cached jitted function (`_kernel_branch`), traced once per shapes
+and configuration. jax lowers each kept branch for every platform of an export, and a
+compiled Pallas kernel has no lowering off its platform: export one platform at a time.
+
+Every path then runs between the same two steps: `sanitize`
 (non-finite entries replaced, the rows that see them marked) and `finish` (those rows
 NaN, the empty-row policy, zeros past `q_lengths`), so every path isolates NaNs the
 same way.
@@ -18,20 +40,28 @@ same way.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_mha import _cudnn, _masking, blockwise
 from jax_mha._dense import dense_attention
 
-PATHS = ("xla", "blockwise", "cudnn", "pallas_tpu", "pallas_gpu")
+PATHS = ("xla", "blockwise", "cudnn", "pallas_tpu", "pallas_gpu", "pallas_mgpu")
 IMPLEMENTATIONS = PATHS + ("auto",)
 # The kernels "auto" tries, in order, on each platform; the pure-JAX path comes last.
 AUTO_CHAIN = {"tpu": ("pallas_tpu",), "gpu": ("cudnn", "pallas_gpu"), "cpu": ()}
+# The module behind a Pallas path, where it is not `_<path>`.
+MODULES = {"pallas_gpu": "pallas_gpu_decode"}
+# The lowering platforms (`jax.lax.platform_dependent`'s names) `"auto"` stages a branch
+# for, each with the `AUTO_CHAIN` key (and `Call.platform`) it reads; any other gets
+# the pure-JAX path.
+LOWERING_PLATFORMS = {"cpu": "cpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 
 # The "xla" path builds the whole float32 scores `(B…, H, N, S)` up to this many bytes
 # and runs the blockwise engine beyond (measurements: docs/performance.md).
@@ -61,7 +91,7 @@ def kernel_module(path: str):
     (imported only when asked: it pulls in jax.experimental.pallas)."""
     if importlib.util.find_spec("jax.experimental.pallas") is None:
         return None
-    return importlib.import_module(f"jax_mha._{path}")
+    return importlib.import_module(f"jax_mha._{MODULES.get(path, path)}")
 
 
 def refusal(path: str, vis: _masking.Visibility, call: _masking.Call) -> str | None:
@@ -78,10 +108,44 @@ def refusal(path: str, vis: _masking.Visibility, call: _masking.Call) -> str | N
     return module.refusal(vis, call)
 
 
+class AutoChoice(str):
+    """`"auto"`'s choice: the string is the path taken on the call's own platform
+    (`Call.platform`, what `resolve_implementation` and the tables report), and
+    `per_platform` maps each key of `LOWERING_PLATFORMS`, and None for any other
+    platform, to the path taken when the computation is lowered for it (`run`)."""
+
+    def __new__(cls, path: str, per_platform: dict):
+        choice = super().__new__(cls, path)
+        choice.per_platform = dict(per_platform)
+        return choice
+
+
+def lowering_chain(lowering: str) -> tuple[str, ...]:
+    """The kernels `"auto"` tries, in order, when lowering for `lowering` (`"cuda"`,
+    `"tpu"`, ...): its `AUTO_CHAIN`, with cuDNN only for CUDA and only when the default
+    backend is a CUDA GPU (jax.nn's cuDNN call reads the cuDNN version and the GPU
+    while it is traced)."""
+    chain = AUTO_CHAIN.get(LOWERING_PLATFORMS.get(lowering, ""), ())
+    if lowering != "cuda" or jax.default_backend() != "cuda":
+        chain = tuple(path for path in chain if path != "cudnn")
+    return chain
+
+
+def _first_taker(vis: _masking.Visibility, call: _masking.Call, chain) -> str:
+    """The first path of `chain` that does not refuse, else the pure-JAX path."""
+    for path in chain:
+        if refusal(path, vis, call) is None:
+            return path
+    if call.return_weights or call.dropout or whole_scores_fit(call.q, call.k):
+        return "xla"
+    return "blockwise"
+
+
 def choose(vis: _masking.Visibility, call: _masking.Call, implementation: str | None) -> str:
-    """The path for this call: `implementation`, or for `"auto"`/None the first of
-    the platform's kernels that does not refuse, else `"xla"` while the whole scores
-    fit (or the weights or dropout are needed) and `"blockwise"` beyond.
+    """The path for this call: `implementation`, or for `"auto"`/None an `AutoChoice`:
+    the first of the platform's kernels that does not refuse, else `"xla"` while the
+    whole scores fit (or the weights or dropout are needed) and `"blockwise"` beyond,
+    with that choice made again for every lowering platform.
 
     Raises:
       ValueError: for an unknown name, or the refusal of an explicitly chosen path.
@@ -95,12 +159,10 @@ def choose(vis: _masking.Visibility, call: _masking.Call, implementation: str | 
         if why is not None:
             raise ValueError(why)
         return implementation
-    for path in AUTO_CHAIN.get(call.platform, ()):
-        if refusal(path, vis, call) is None:
-            return path
-    if call.return_weights or call.dropout or whole_scores_fit(call.q, call.k):
-        return "xla"
-    return "blockwise"
+    per_platform = {lowering: _first_taker(vis, call._replace(platform=home), lowering_chain(lowering))
+                    for lowering, home in LOWERING_PLATFORMS.items()}
+    per_platform[None] = _first_taker(vis, call, ())
+    return AutoChoice(_first_taker(vis, call, AUTO_CHAIN.get(call.platform, ())), per_platform)
 
 
 def sanitize(q, k, v):
@@ -161,19 +223,89 @@ def _zeros(q, k, v, return_weights):
     return out, weights, jnp.full(out.shape[:-1], -jnp.inf, jnp.float32)
 
 
+def _run_auto(choice: AutoChoice, q, k, v, bad_kv, vis, call, **options):
+    """`_run_path` of `choice`'s path for the platform the computation is lowered for:
+    one `jax.lax.platform_dependent` branch per distinct path (a kernel's branch sees
+    `Call.platform` of its own platform, so it runs compiled, never interpreted)."""
+    paths = dict(choice.per_platform)
+    if len(set(paths.values())) == 1:  # every kernel refused: nothing to stage per platform
+        return _run_path(paths[None], q, k, v, bad_kv, vis, call, **options)
+    dtype = _masking.compute_dtype(q.dtype)
+
+    def branch(path, home):
+        def run_branch(q, k, v, bad_kv):
+            if path in ("xla", "blockwise"):
+                out, weights, lse, empty, touched = _run_path(path, q, k, v, bad_kv, vis, call, **options)
+            else:
+                arrays, static = _split_static(vis)
+                out, weights, lse, empty, touched = _kernel_branch(
+                    q, k, v, bad_kv, arrays, path=path, call=_static_call(call, home), static=static,
+                    scale=options["scale"])
+            rows = out.shape[:-1]  # (B…, H, N): every branch returns the same types
+            return (out.astype(dtype), weights if call.return_weights else None,
+                    lse if call.return_residual else None, jnp.broadcast_to(empty, rows),
+                    jnp.broadcast_to(touched, rows))
+        return run_branch
+
+    branches, per_platform = {}, {}
+    for lowering, path in paths.items():
+        home = LOWERING_PLATFORMS.get(lowering, call.platform)
+        key = (path, home) if path not in ("xla", "blockwise") else (path, None)  # one pure-JAX branch for all
+        per_platform[lowering] = branches.setdefault(key, branch(path, home))
+    default = per_platform.pop(None)
+    return jax.lax.platform_dependent(q, k, v, bad_kv, default=default, **per_platform)
+
+
+def _split_static(tree):
+    """`(arrays, static)`: the array leaves of `tree` (a description) and the rest,
+    hashable: its treedef and its scalars known now, as Python numbers (a query offset
+    the kernel's refusal read as static stays static inside the jitted branch)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    known = lambda x: not isinstance(x, jax.core.Tracer) and np.ndim(x) == 0
+    is_array = tuple(not known(x) for x in leaves)
+    static = tuple(None if array else np.asarray(x).item() for array, x in zip(is_array, leaves))
+    return [x for array, x in zip(is_array, leaves) if array], (treedef, is_array, static)
+
+
+def _join_static(arrays, static):
+    """The tree `_split_static` took apart."""
+    treedef, is_array, scalars = static
+    arrays = iter(arrays)
+    return treedef.unflatten([next(arrays) if array else x for array, x in zip(is_array, scalars)])
+
+
+def _static_call(call: _masking.Call, platform: str) -> _masking.Call:
+    """`call` on `platform`, hashable: shape structs in place of its arrays."""
+    struct = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return call._replace(q=struct(call.q), k=struct(call.k), v=struct(call.v), platform=platform)
+
+
+@functools.partial(jax.jit, static_argnames=("path", "call", "static", "scale"))
+def _kernel_branch(q, k, v, bad_kv, arrays, *, path, call, static, scale):
+    """A kernel path's `_run_path` as one jitted function of its arrays: traced once
+    per shapes and configuration, and its derivatives with it, however many `"auto"`
+    calls stage it (every layer of a model, every new `jit` of the same step)."""
+    return _run_path(path, q, k, v, bad_kv, _join_static(arrays, static), call, scale=scale, dropout_rate=0.0,
+                     dropout_rng=None, blocks=(None, None))
+
+
 def _run_path(path, q, k, v, bad_kv, vis, call, *, scale, dropout_rate, dropout_rng, blocks):
     """`(out, weights or None, lse or None, empty, touched)` from the chosen path, on
-    finite inputs; lse (when the call asks for it) -inf on rows with nothing to see."""
+    finite inputs; lse (when the call asks for it) -inf on rows with nothing to see.
+    An `AutoChoice` runs the path of the platform it is lowered for (`_run_auto`)."""
+    if isinstance(path, AutoChoice):
+        return _run_auto(path, q, k, v, bad_kv, vis, call, scale=scale, dropout_rate=dropout_rate,
+                         dropout_rng=dropout_rng, blocks=blocks)
     if call.return_weights or call.dropout or (path == "xla" and whole_scores_fit(q, k)):
         out, weights, lse, empty, touched = dense_attention(
             q, k, v, bad_kv, vis, scale=scale, dropout_rate=dropout_rate if call.dropout else 0.0,
             dropout_rng=dropout_rng, return_lse=call.return_residual)
         return out, weights if call.return_weights else None, lse, empty, touched
-    if path in ("cudnn", "pallas_tpu", "pallas_gpu"):
+    if path in ("cudnn", "pallas_tpu", "pallas_gpu", "pallas_mgpu"):
         if path == "cudnn":
             out = _cudnn.cudnn_attention(q, k, v, vis, scale=scale)
         else:
-            interpret = call.platform != path[len("pallas_"):]
+            interpret = call.platform == "cpu"  # a kernel runs on its own platform or interpreted
             out = kernel_module(path).run(q, k, v, vis, scale=scale, interpret=interpret)
         empty, touched = _masking.dense_rows(vis, bad_kv, q.shape[-3])
         out = jnp.where(empty[..., None], 0.0, out.astype(_masking.compute_dtype(q.dtype)))  # kernels average v there

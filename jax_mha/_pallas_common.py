@@ -4,7 +4,8 @@ Both kernels take integer segment ids and let a query see a key only when the id
 match. Lengths, padding to the kernel's block size and the library's segment ids all
 fold into those arrays (`kernel_segment_ids`), so no sequence length is refused.
 `common_refusal` holds the refusals both kernels share, `without_x64` their tracing
-under `jax_enable_x64`.
+under `jax_enable_x64`, `kernel_mesh` / `mesh_refusal` the mesh a kernel call is split
+over by `shard_map` (a Pallas kernel cannot be partitioned automatically).
 """
 
 from __future__ import annotations
@@ -64,6 +65,50 @@ def common_refusal(path: str, vis: _masking.Visibility, call: _masking.Call, *, 
         return f"{name} cannot express sinks (attention sinks); {_USE}"
     if call.return_residual:
         return f"{name} does not return the log-sum-exp here (return_residual=True); {_USE}"
+    return None
+
+
+# The mesh axes a kernel call is split over by `shard_map` (MaxText's names): the
+# flattened batch over "data", the heads (query and kv alike) over "model".
+BATCH_AXIS, HEAD_AXIS = "data", "model"
+
+
+def kernel_mesh(x):
+    """`(mesh, batch axis or None, head axis or None)` for a kernel call on `x` (an
+    array, a tracer or a shape struct): the context mesh (`jax.set_mesh`,
+    `jax.sharding.use_mesh`), else the mesh of `x`'s NamedSharding (a concrete array
+    or an explicitly sharded tracer), with its `BATCH_AXIS` and `HEAD_AXIS` when it
+    has them and they are not already manual (inside a `shard_map`); None when it has
+    neither."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        if is_traced(x):
+            sharding = jax.typeof(x).sharding
+        else:
+            sharding = getattr(x, "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is None or mesh.empty:
+            return None
+    manual = set(getattr(mesh, "manual_axes", ()))
+    axes = [name if name in mesh.axis_names and name not in manual else None for name in (BATCH_AXIS, HEAD_AXIS)]
+    return None if axes == [None, None] else (mesh, *axes)
+
+
+def mesh_refusal(name: str, call: _masking.Call) -> str | None:
+    """Why `kernel_mesh`'s split cannot take this call: the flattened batch or the
+    kv heads not dividing their mesh axis; None when it can (or there is no mesh)."""
+    found = kernel_mesh(call.q)
+    if found is None:
+        return None
+    mesh, batch_axis, head_axis = found
+    batch = math.prod(jnp.broadcast_shapes(call.q.shape[:-3], call.k.shape[:-3], call.v.shape[:-3]))
+    h, kh = call.q.shape[-3], call.k.shape[-3]
+    if batch_axis is not None and batch % mesh.shape[batch_axis]:
+        return (f"{name} splits the batch over the mesh axis {batch_axis!r} of size {mesh.shape[batch_axis]}, which "
+                f"does not divide the flattened batch {batch}; {_USE}")
+    if head_axis is not None and kh % mesh.shape[head_axis]:
+        return (f"{name} splits the heads over the mesh axis {head_axis!r} of size {mesh.shape[head_axis]}, which "
+                f"does not divide the kv heads K={kh} (H={h}); {_USE}")
     return None
 
 

@@ -11,7 +11,8 @@ The public layer of the core. Beneath it, each file with one job:
   _flash.py       the blockwise engine: query blocks x key blocks, online softmax, a
                   custom JVP whose tangent's transpose is written by hand (_linear.py):
                   the two-pass FlashAttention-2 backward; blockwise.py its blocks
-  _cudnn.py, _pallas_tpu.py, _pallas_gpu.py   the description translated for a kernel
+  _cudnn.py, _pallas_tpu.py, _pallas_gpu.py, _pallas_gpu_decode.py, _pallas_mgpu.py
+                  the description translated for a kernel
 
 Axis letters used in shapes and einsum strings:
   B… any leading batch dims, N query length, S key/value length,
@@ -335,8 +336,10 @@ def attention(
         `WHOLE_SCORES_MAX_BYTES`), `"blockwise"` (memory linear in N; skips blocks that
         causality, the window, the lengths or the segment ids rule out), `"cudnn"`
         (jax.nn's fused GPU kernel; reverse-mode only), `"pallas_tpu"` (splash
-        attention) or `"pallas_gpu"` (the Triton FlashAttention kernel), each of
-        which runs in Pallas interpret mode off its platform. A named path that
+        attention) or `"pallas_gpu"` (the Triton FlashAttention kernel; its decode
+        kernel for one query row), each of which runs in Pallas interpret mode off
+        its platform, or `"pallas_mgpu"` (the Hopper FlashAttention-3 kernel, float16,
+        compiled only, on a GPU of compute capability 9.0). A named path that
         cannot run the call raises its refusal (a ValueError naming the part);
         `"auto"`/None walks the platform's chain of kernels and takes the first that
         does not refuse, else `"xla"`/`"blockwise"` (`resolve_implementation`;

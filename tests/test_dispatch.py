@@ -55,7 +55,8 @@ def test_auto_walks_the_platform_chain(monkeypatch, platform, dtype, kernels, kw
     fakes = {path: fake_kernel(why) for path, why in kernels.items()}
     if "return_weights" in kw:
         fakes["pallas_tpu"].refusal = lambda vis, call: "weights" if call.return_weights else None
-    monkeypatch.setattr(_dispatch, "kernel_module", lambda path: fakes[path])
+    absent = fake_kernel("not this test's kernel")
+    monkeypatch.setattr(_dispatch, "kernel_module", lambda path: fakes.get(path, absent))
     q, k, v = structs(dtype, d=64)
     call = _masking.Call(q, k, v, platform=platform, **kw)
     assert _dispatch.choose(_masking.Visibility(N, S), call, "auto") == expected
@@ -126,3 +127,86 @@ def test_kernel_paths_share_the_nan_isolation_and_empty_rows(rng, monkeypatch):
             want = np.where(empty[..., None], np.repeat(clean_v.mean(-2, keepdims=True), H // K, 1), want)
         np.testing.assert_allclose(np.where(nan_rows[..., None], 0, out), np.where(nan_rows[..., None], 0, want),
                                    atol=1e-5)
+
+
+# --- "auto" chooses by the platform the computation is lowered for -------------------
+
+
+def garbage_kernel():
+    """A kernel module that takes every call and returns 7s (any of its output shows),
+    recording the `interpret` flag of each call."""
+    seen = []
+
+    def run(q, k, v, vis, *, scale, interpret):
+        seen.append(interpret)
+        return jnp.full(q.shape[:-1] + v.shape[-1:], 7.0, q.dtype)
+
+    return types.SimpleNamespace(refusal=lambda vis, call: None, run=run, seen=seen)
+
+
+def test_auto_chooses_for_every_lowering_platform(monkeypatch):
+    """The string is the call platform's choice; `per_platform` walks each lowering
+    platform's chain with its own refusals. cuDNN stays out of the CUDA branch unless
+    the default backend is a CUDA GPU (jax.nn reads the GPU while it traces)."""
+    fakes = {"pallas_tpu": fake_kernel(None), "pallas_gpu": fake_kernel("no")}
+    fakes["pallas_tpu"].refusal = lambda vis, call: None if call.platform == "tpu" else "tpu only"
+    monkeypatch.setattr(_dispatch, "kernel_module", lambda path: fakes[path])
+    vis, call = _masking.Visibility(N, S), _masking.Call(*structs(jnp.bfloat16, d=64), platform="gpu")
+    choice = _dispatch.choose(vis, call, "auto")
+    assert choice == "cudnn" and isinstance(choice, str)  # what a GPU host runs and reports
+    assert choice.per_platform == {"cpu": "blockwise", "cuda": "blockwise", "rocm": "blockwise", "tpu": "pallas_tpu",
+                                   None: "blockwise"}
+    monkeypatch.setattr(_dispatch.jax, "default_backend", lambda: "cuda")
+    assert _dispatch.choose(vis, call, "auto").per_platform["cuda"] == "cudnn"
+    assert _dispatch.choose(vis, call, "auto").per_platform["rocm"] == "blockwise"  # cuDNN is NVIDIA's
+    assert type(_dispatch.choose(vis, call, "blockwise")) is str  # an explicit choice is taken as it is
+
+
+def test_auto_runs_this_platforms_branch_and_stages_the_kernels(monkeypatch, rng):
+    """On this CPU a jitted "auto" call runs the pure-JAX branch (the kernel's 7s never
+    show) while the kernels are traced into their platforms' branches compiled, never
+    interpreted; an eager call runs its own branch only and traces no kernel."""
+    fake = garbage_kernel()
+    monkeypatch.setattr(_dispatch, "kernel_module", lambda path: fake)
+    _dispatch._kernel_branch.clear_cache()  # its cache does not know the module was swapped
+    q = rng.standard_normal((B, H, N, D))
+    k, v = rng.standard_normal((B, K, S, D)), rng.standard_normal((B, K, S, D))
+    want, _ = np_attention(q, k, v, mask=np_allowed((B, H, N, S), is_causal=True))
+    f = lambda q, k, v: attention(q, k, v, is_causal=True, implementation="auto")
+    args = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
+    np.testing.assert_allclose(f(*args), want, atol=2e-6)
+    assert fake.seen == []
+    np.testing.assert_allclose(jax.jit(f)(*args), want, atol=2e-6)
+    assert len(fake.seen) == 2 and not any(fake.seen)  # the TPU branch and the CUDA branch, both compiled
+    _dispatch._kernel_branch.clear_cache()
+
+
+def test_auto_under_transformations_on_cpu(rng):
+    """jit, grad, vmap and jvp of "auto" through `platform_dependent` with the real
+    kernels staged (splash for TPUs; Triton refuses D=5 on a GPU): the CPU branch, equal
+    to the float64 reference, forward mode included (only this platform's branch is
+    compiled). A call every kernel refuses stages no branch at all."""
+    from conftest import jax_reference, x64
+
+    q = rng.standard_normal((3, B, H, N, D))
+    k, v = rng.standard_normal((3, B, K, S, D)), rng.standard_normal((3, B, K, S, D))
+    allowed = np_allowed((B, H, N, S), is_causal=True)
+    f = lambda q, k, v: attention(q, k, v, is_causal=True, implementation="auto")
+    args = [jnp.asarray(x[0], jnp.float32) for x in (q, k, v)]
+    assert "platform_index" in str(jax.make_jaxpr(f)(*args))
+    masked = lambda q, k, v: attention(q, k, v, mask=jnp.asarray(allowed), implementation="auto")
+    assert "platform_index" not in str(jax.make_jaxpr(masked)(*args))  # both kernels refuse a dense mask
+    loss = lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
+    tangents = [jnp.asarray(x[1], jnp.float32) for x in (q, k, v)]
+    got = {"out": jax.jit(f)(*args), "grad": jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args),
+           "vmap": jax.jit(jax.vmap(f))(*(jnp.asarray(x, jnp.float32) for x in (q, k, v))),
+           "jvp": jax.jit(lambda *a: jax.jvp(f, a, tuple(tangents))[1])(*args)}
+    with x64():
+        ref = lambda q, k, v: jax_reference(q, k, v, jnp.asarray(allowed))
+        a64 = [jnp.asarray(x[0]) for x in (q, k, v)]
+        want = {"out": ref(*a64),
+                "grad": jax.grad(lambda *a: jnp.sum(jnp.sin(ref(*a))), argnums=(0, 1, 2))(*a64),
+                "vmap": jax.vmap(ref)(*(jnp.asarray(x) for x in (q, k, v))),
+                "jvp": jax.jvp(ref, tuple(a64), tuple(jnp.asarray(x[1]) for x in (q, k, v)))[1]}
+        want = jax.tree.map(np.asarray, want)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=2e-5), got, want)

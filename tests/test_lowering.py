@@ -6,8 +6,14 @@ the module text, or `refusal` returned a message for that cell.
 
 Triton's lowering takes only power-of-two tiles (N = S in 33..48 or 65..112 used to
 fail); Mosaic's takes only tiles its layouts allow. A representative set of cells runs
-by default; `--full-matrix` runs the whole grid (N = S in {1, 34, 100, 128}, D in {64,
-128}, bfloat16 and float32, causal / segments / window, GQA, and N != S)."""
+by default; `--full-matrix` runs the whole grid (N = S in {1, 34, 100, 128, 1000, 4096},
+D in {64, 128, 256}, bfloat16 and float32, causal / segments / window / none, GQA, and
+N != S). Splash's backward is its fused kernel (no dq kernel) while S spans at most
+`_pallas_tpu.FUSED_BWD_MAX_KV_BLOCKS` key blocks, its two kernels beyond.
+
+The last section lowers `implementation="auto"` itself: the kernel of the platform
+exported for, the pure-JAX path on this CPU, and splash inside a `shard_map` under a
+mesh of four host devices (in a subprocess)."""
 
 from __future__ import annotations
 
@@ -67,6 +73,7 @@ DEFAULT_CELLS = [
     ("pallas_gpu", 128, 128, 64, "float32", ("window",)),  # refused: no window in the Triton kernel
     ("pallas_gpu", 100, 37, 64, "bfloat16", ()),  # N > S: query chunks
     ("pallas_gpu", 37, 100, 128, "float32", ("causal",)),  # S > N: dummy queries in front
+    ("pallas_gpu", 1000, 1000, 256, "bfloat16", ("causal",)),  # the widest head the GPU path takes
     ("pallas_tpu", 34, 34, 64, "bfloat16", ("window",)),
     ("pallas_tpu", 100, 100, 128, "float32", ("causal", "segments")),
     ("pallas_tpu", 1, 1, 64, "float32", ("causal",)),
@@ -74,12 +81,16 @@ DEFAULT_CELLS = [
     ("pallas_tpu", 37, 100, 64, "bfloat16", ("causal", "window")),
     ("pallas_tpu", 100, 37, 128, "float32", ("segments",)),
     ("pallas_tpu", 100, 100, 128, "bfloat16", ("causal", "segments", "sinks")),  # splash's sinks argument
+    ("pallas_tpu", 1000, 1000, 256, "bfloat16", ("causal", "segments")),
+    ("pallas_tpu", 4096, 4096, 128, "bfloat16", ("causal",)),  # 8 key blocks: the two-kernel backward
 ]
 PATTERNS = [("causal",), ("causal", "segments"), ("window",), ()]
+SIZES, HEAD_DIMS, DTYPES = (1, 34, 100, 128, 1000, 4096), (64, 128, 256), ("bfloat16", "float32")
+UNEQUAL = ((100, 37), (37, 100), (1, 1000), (1000, 34))  # (N, S)
 FULL_CELLS = [(name, n, n, d, dt, parts) for name, n, d, dt, parts in itertools.product(
-    sorted(KERNELS), (1, 34, 100, 128), (64, 128), ("bfloat16", "float32"), PATTERNS)] + [
+    sorted(KERNELS), SIZES, HEAD_DIMS, DTYPES, PATTERNS)] + [
     (name, n, s, d, dt, parts) for name, (n, s), d, dt, parts in itertools.product(
-        sorted(KERNELS), ((100, 37), (37, 100)), (64, 128), ("bfloat16", "float32"), PATTERNS)]
+        sorted(KERNELS), UNEQUAL, HEAD_DIMS, DTYPES, PATTERNS)]
 
 
 def pytest_generate_tests(metafunc):
@@ -112,7 +123,19 @@ def test_forward_and_gradient_lower_to_the_kernel(cell):
         assert not isinstance(text, tuple), text
         assert f"custom_call @{target}" in text and forward in text
         assert (backward in text) == grad
-        assert text.count(f"custom_call @{target}") == (3 if grad else 1)  # backward: delta/dq, dkv
+        assert text.count(f"custom_call @{target}") == (1 + backward_kernels(name, s) if grad else 1)
+        if name == "pallas_tpu":
+            assert ("splash_mha_dq" in text) == (grad and backward_kernels(name, s) == 2)
+
+
+def backward_kernels(name, s) -> int:
+    """The backward's kernel calls: Triton's delta/dq and dkv; splash's fused dq/dk/dv
+    kernel while S spans at most `FUSED_BWD_MAX_KV_BLOCKS` of its key blocks, else its
+    dq and dkv kernels."""
+    if name == "pallas_gpu":
+        return 2
+    block = min(_pallas_tpu.DEFAULT_BLOCK, -(-s // _pallas_tpu.MIN_BLOCK) * _pallas_tpu.MIN_BLOCK)
+    return 1 if -(-s // block) <= _pallas_tpu.FUSED_BWD_MAX_KV_BLOCKS else 2
 
 
 def test_old_block_rule_fails_triton_lowering():
@@ -126,3 +149,184 @@ def test_old_block_rule_fails_triton_lowering():
     checks = [jax.export.DisabledSafetyCheck.custom_call(TARGETS["pallas_gpu"][2])]
     with pytest.raises(ValueError, match="power of 2"):
         jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(x, x, x)
+
+
+# --- implementation="auto" lowered for each platform ----------------------------------
+# (this section: "auto" chooses by the lowering platform; splash under a mesh)
+
+CUDA_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(TARGETS["pallas_gpu"][2])]
+
+
+def export_auto(platforms, dtype=jnp.float32, grad=False, n=100, **kw):
+    """The exported module text of a jitted `attention(..., implementation="auto")`
+    (or its gradient) at q `(2, 4, n, 64)`, k/v `(2, 2, n, 64)`."""
+    from jax_mha import attention
+
+    q, k = jax.ShapeDtypeStruct((B, H, n, 64), dtype), jax.ShapeDtypeStruct((B, K, n, 64), dtype)
+    f = lambda q, k, v: attention(q, k, v, implementation="auto", **kw)
+    if grad:
+        forward = f
+        f = jax.grad(lambda q, k, v: forward(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    return jax.export.export(jax.jit(f), platforms=platforms, disabled_checks=CUDA_CHECKS)(q, k, k).mlir_module()
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "gradient"])
+def test_auto_lowers_to_the_kernel_of_the_platform_exported_for(grad):
+    """One jitted "auto" function, three exports from this CPU: Triton's kernel for
+    CUDA, splash's for TPU, neither for CPU (the pure-JAX path)."""
+    triton, mosaic = TARGETS["pallas_gpu"][2], TARGETS["pallas_tpu"][2]
+    calls = 1 + (2 if grad else 0)
+    cuda = export_auto(["cuda"], grad=grad, is_causal=True)
+    assert cuda.count(f"custom_call @{triton}") == calls and mosaic not in cuda
+    tpu = export_auto(["tpu"], grad=grad, is_causal=True)
+    assert tpu.count(f"custom_call @{mosaic}") == (2 if grad else 1) and triton not in tpu  # fused backward
+    cpu = export_auto(["cpu"], grad=grad, is_causal=True)
+    assert triton not in cpu and mosaic not in cpu and "dot_general" in cpu
+
+
+def test_auto_exports_the_pure_path_where_every_kernel_refuses_and_triton_for_cudnn():
+    """A soft-cap Triton cannot express leaves CUDA's branch the pure-JAX path while
+    TPU's takes splash; a bfloat16 call a GPU host would give to cuDNN is exported for
+    CUDA from this CPU with the Triton kernel (jax.nn's cuDNN call cannot be traced
+    without a GPU)."""
+    from jax_mha import _dispatch
+
+    assert TARGETS["pallas_gpu"][2] not in export_auto(["cuda"], logits_soft_cap=5.0)
+    assert TARGETS["pallas_tpu"][2] in export_auto(["tpu"], logits_soft_cap=5.0)
+    q = jax.ShapeDtypeStruct((B, H, 128, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((B, K, 128, 64), jnp.bfloat16)
+    choice = _dispatch.choose(_masking.Visibility(128, 128, True), _masking.Call(q, k, k, platform="gpu"), "auto")
+    assert choice == "cudnn" and choice.per_platform["cuda"] == "pallas_gpu"
+    text = export_auto(["cuda"], dtype=jnp.bfloat16, n=128, is_causal=True)
+    assert TARGETS["pallas_gpu"][2] in text and "custom_call @__cudnn" not in text
+
+
+def test_splash_block_tables_equal_splash_own(monkeypatch):
+    """The masks whose blocks the description's key ranges decide build the same block
+    tables (forward and dkv, fused or not) as splash's own masks, which evaluate every
+    block; and only the partial blocks reach splash's mask evaluation."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    cases = [(1024, 1024, True, None, 0), (512, 1024, True, None, 512), (1024, 384, True, None, -640),
+             (1024, 1024, False, (200, 0), 0), (640, 1024, True, (300, None), 384), (1024, 768, False, (64, 64), -300),
+             (512, 512, False, None, 0)]
+    for n, s, causal, window, offset in cases:
+        for fused in (False, True):
+            args = (n, s, 2, causal, window, offset, 128, 128, None, True, fused)
+            ours = _pallas_tpu._kernel.__wrapped__(*args)
+            with monkeypatch.context() as patch:  # splash's own masks, every block evaluated
+                patch.setattr(_pallas_tpu, "_ranged_mask", lambda inner, pattern: inner)
+                theirs = _pallas_tpu._kernel.__wrapped__(*args)
+            for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+                np.testing.assert_array_equal(a, b, err_msg=str(args))
+    evaluated = []
+    original = sm.CausalMask.__getitem__
+    monkeypatch.setattr(sm.CausalMask, "__getitem__", lambda self, idx: evaluated.append(idx) or original(self, idx))
+    _pallas_tpu._kernel.__wrapped__(4096, 4096, 4, True, None, 0, 512, 512, None, True, False)
+    assert 0 < len(evaluated) <= 4 * 8  # the 8 diagonal blocks, per table; splash alone asks all 64 of each
+
+
+def spy_kernel_arrays(monkeypatch):
+    """The names of the arrays each splash call gets (`ids` only with segment ids)."""
+    seen = []
+    original = _pallas_tpu._call_kernel
+    monkeypatch.setattr(_pallas_tpu, "_call_kernel", lambda kernel, arrays: seen.append(sorted(arrays))
+                        or original(kernel, arrays))
+    return seen
+
+
+@pytest.mark.parametrize("parts, n, s, with_ids", [
+    (("causal",), 100, 100, False),  # padded keys lie above the diagonal: no ids
+    (("causal",), 37, 100, False),
+    (("causal", "window"), 100, 37, False),
+    ((), 128, 128, False),  # nothing padded
+    ((), 100, 100, True),  # padded keys visible: ids hide them
+    (("window",), 100, 100, True),  # the window's right side reaches past S
+    (("causal", "segments"), 128, 128, True),
+])
+def test_splash_gets_segment_ids_only_when_needed(monkeypatch, parts, n, s, with_ids):
+    seen = spy_kernel_arrays(monkeypatch)
+    vis = _vis(n, s, parts)
+    q = jax.ShapeDtypeStruct((B, H, n, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((B, K, s, 64), jnp.bfloat16)
+    jax.eval_shape(lambda q, k, v: _pallas_tpu.run(q, k, v, vis, scale=0.125, interpret=False), q, k, k)
+    assert seen == [sorted(["q", "k", "v"] + (["ids"] if with_ids else []))]
+
+
+def _mesh_worker() -> dict:
+    """Run in a subprocess with 4 host devices: splash under a (2, 2) mesh of axes
+    "data" and "model", explicit and automatic, exported for TPU and interpreted here."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from conftest import jax_reference, np_allowed
+
+    from jax_mha import attention
+
+    out = {}
+    rng = np.random.default_rng(3)
+    n, d = 100, 64
+    q = jnp.asarray(rng.standard_normal((B, H, n, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((B, K, n, d)), jnp.float32) for _ in range(2))
+    ct = jnp.asarray(rng.standard_normal((B, H, n, d)), jnp.float32)
+
+    def value_and_grad(impl, attend=attention, dtype=jnp.float32):
+        """`(out, its vjp of ct)` of `attend`, jitted."""
+        def both(q, k, v):
+            out, pull = jax.vjp(lambda *a: attend(*a, is_causal=True, implementation=impl), q, k, v)
+            return out, pull(ct.astype(dtype))
+        return jax.jit(both)
+    for kind in ("Explicit", "Auto"):
+        mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(getattr(jax.sharding.AxisType, kind),) * 2)
+        with jax.set_mesh(mesh):
+            text = jax.export.export(value_and_grad("auto"), platforms=["tpu"])(q, k, v).mlir_module()
+            out[f"{kind} export"] = {"kernels": text.count("custom_call @tpu_custom_call"),
+                                     "manual": "manual_computation" in text}
+            got = value_and_grad("pallas_tpu")(q, k, v)
+            out[f"{kind} shard_map"] = "shard_map" in str(jax.make_jaxpr(value_and_grad("pallas_tpu"))(q, k, v))
+            with pytest.raises(ValueError) as refused:
+                attention(jnp.ones((2, 6, 8, 8)), jnp.ones((2, 3, 8, 8)), jnp.ones((2, 3, 8, 8)),
+                          implementation="pallas_tpu")
+            out[f"{kind} refusal"] = str(refused.value)
+        with jax.enable_x64(True):
+            allowed = jnp.asarray(np_allowed((B, H, n, n), is_causal=True))
+            ref = lambda q, k, v, is_causal, implementation: jax_reference(q, k, v, allowed)
+            want = value_and_grad(None, ref, jnp.float64)(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
+            out[f"{kind} error"] = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+                                       for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    x = jax.device_put(jnp.ones((3, H, 8, 8)), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    with pytest.raises(ValueError) as refused:  # no context mesh: the inputs' sharding's
+        attention(x, x, x, implementation="pallas_tpu")
+    out["sharding refusal"] = str(refused.value)
+    return out
+
+
+def test_splash_runs_in_a_shard_map_under_a_mesh():
+    """Under a mesh of 4 host devices with axes "data" and "model" (explicit or
+    automatic shardings), "auto" exported for TPU holds splash inside a shard_map (a
+    Mosaic kernel cannot be partitioned automatically), splash interpreted on that mesh
+    equals the float64 reference, value and gradients, and kv heads the "model" axis
+    does not divide are refused by name."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, here, env.get("PYTHONPATH")]))
+    code = "import json, test_lowering; print('RESULT ' + json.dumps(test_lowering._mesh_worker()))"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][-1][len("RESULT "):])
+    for kind in ("Explicit", "Auto"):
+        assert got[f"{kind} export"] == {"kernels": 2, "manual": True}, got  # forward and fused backward
+        assert got[f"{kind} shard_map"], got
+        assert got[f"{kind} error"] < 2e-5, got
+        assert "heads over the mesh axis 'model' of size 2" in got[f"{kind} refusal"], got
+        assert "kv heads K=3 (H=6)" in got[f"{kind} refusal"], got
+    assert "batch over the mesh axis 'data' of size 2, which does not divide the flattened batch 3" in got[
+        "sharding refusal"], got
