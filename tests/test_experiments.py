@@ -152,10 +152,10 @@ def test_attention_maps_of_the_ablation_model(study):
 def test_docs_load_and_decode_snippet(study):
     """The head-ablation page's snippet that loads an ablation checkpoint and decodes
     with it, on this run's tiny checkpoint."""
-    text = (ROOT / "docs" / "studies" / "head_ablation.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "results" / "head_ablation.md").read_text(encoding="utf-8")
     block = re.search(r"```py\n(# Load a trained copy model.*?)```", text, re.S).group(1)
     block = block.replace("quick/checkpoints/h8_seed0", "tiny/checkpoints/h4_seed0")
-    run_in(study.cwd, lambda _: exec(compile(block, "docs/studies/head_ablation.md[load and decode]", "exec"), {}), None)
+    run_in(study.cwd, lambda _: exec(compile(block, "docs/results/head_ablation.md[load and decode]", "exec"), {}), None)
 
 
 def test_mesh_option_gives_the_same_training(study, tmp_path):
