@@ -34,6 +34,9 @@ also print their summaries with):
   rate per h and whether the grid brackets it).
 - `literal`: tables whose cells are stored as printed, for numbers whose per-seed values
   were never recorded; each says so (`traced: false` and a `note`), blocks named by the file.
+- `anchor_induction`, `anchor_mqar`, `anchor_markov`: the published anchors
+  (`experiments.anchor_*`), rendered by `experiments.common_anchors`; blocks `paper`,
+  `table`, `verdict`, and `reference` for MQAR and the Markov chains.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from experiments import common_anchors
 from experiments.common_tables import (  # noqa: F401  (re-exported: the renderers of every kind)
     RENDERERS,
     lm_pruning_induction,
@@ -57,8 +61,8 @@ from experiments.common_tables import (  # noqa: F401  (re-exported: the rendere
     recall_comparisons,
     recall_reference,
     recall_table,
-    render,
 )
+from experiments.common_tables import render as _render_study
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ROOT / "docs" / "results"
@@ -67,6 +71,18 @@ BLOCK = re.compile(r"<!-- report: (?P<name>[\w.-]+)#(?P<block>[\w-]+) -->\n(?P<b
 
 
 # ----------------------------------------------------------------- pages
+
+
+def render(data: dict, block: str) -> str:
+    """The Markdown of one block: the anchors' kinds by `experiments.common_anchors`, every
+    other kind by `experiments.common_tables.render`.
+
+    Raises:
+      ValueError: for an unknown kind or a block the kind does not have.
+    """
+    if data.get("kind") in common_anchors.RENDERERS:
+        return common_anchors.render(data, block)
+    return _render_study(data, block)
 
 
 def regenerate(text: str, data_dir: Path) -> tuple[str, list[str], set[str]]:

@@ -15,7 +15,8 @@ Every task shares that batch layout, so one trainer, one loss (`train.scored_los
 and one analysis serve them all; a new task (e.g. a character language model) is a
 new config class registered in `TASKS`. Registered: "copy" (below) and "lm", the
 character language model of `jax_mha.lab.text.TextTaskConfig` (no early stopping: its
-`stop_metric` is None; its held-out metric is dev bits per character, `bpc`).
+`stop_metric` is None; its held-out metric is dev bits per character, `bpc`); "mqar",
+"repeat" and "markov" (in-context learning of Markov chains), below.
 
 The delayed copy task (Katharopoulos et al. 2020; Jelassi et al. 2024): a sequence
 is `BOS x1 … xL SEP x1 … xL EOS` (then PAD up to the longest L). A decoder reads it
@@ -32,6 +33,7 @@ from typing import Any, Callable, ClassVar, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_mha.lab.text import TextTaskConfig
 
@@ -130,6 +132,8 @@ class RecallTaskConfig:
     those keys again, each followed by its value. The loss is scored where the input is
     a query's `b` and the target its `v`: the value of the context pair whose key is the
     two tokens just read. Keys are distinct within a row; values are independent.
+    With `key_tokens=1` a key is one token, as in Zoology's MQAR: `BOS (k1 v1) … (kN vN)
+    SEP (k v)_q1 …`, scored where the input is a query's key.
 
     Queries. Each query draws one of the N keys uniformly, independently of the others
     (repeats allowed, as Zoology's MQAR generator samples them). The earlier variant,
@@ -154,6 +158,7 @@ class RecallTaskConfig:
     num_queries: int = 8  # Q keys asked back, each drawn uniformly from the N
     num_key_symbols: int = 6  # K: K*K = 36 possible keys, 8 of them per row
     num_values: int = 8  # V: chance accuracy 1/V
+    key_tokens: int = 2  # tokens per key: 2 (the two-token keys above) or 1 (Zoology's single-token keys)
     # True: queries draw keys with repeats (no elimination shortcut); False: Q distinct
     # keys in random order, the earlier variant (kept so its results can be reproduced).
     queries_with_replacement: bool = True
@@ -165,9 +170,12 @@ class RecallTaskConfig:
                 raise ValueError(f"{field} must be an int >= 1, got {value!r}")
         if not isinstance(self.queries_with_replacement, bool):
             raise TypeError(f"queries_with_replacement must be a bool, got {self.queries_with_replacement!r}")
-        if self.num_pairs > self.num_key_symbols**2:
-            raise ValueError(f"num_pairs={self.num_pairs} distinct keys need num_key_symbols**2 >= num_pairs, "
-                             f"got {self.num_key_symbols}**2 = {self.num_key_symbols**2}")
+        if self.key_tokens not in (1, 2) or isinstance(self.key_tokens, bool):
+            raise ValueError(f"key_tokens must be 1 or 2, got {self.key_tokens!r}")
+        keys = self.num_key_symbols**self.key_tokens
+        if self.num_pairs > keys:
+            raise ValueError(f"num_pairs={self.num_pairs} distinct keys need num_key_symbols**key_tokens >= num_pairs, "
+                             f"got {self.num_key_symbols}**{self.key_tokens} = {keys}")
         if not self.queries_with_replacement and self.num_queries > self.num_pairs:
             raise ValueError(f"num_queries={self.num_queries} distinct keys must be <= num_pairs={self.num_pairs} "
                              "(or draw them with queries_with_replacement=True)")
@@ -183,8 +191,9 @@ class RecallTaskConfig:
 
     @property
     def seq_len(self) -> int:
-        """T = 3N + 3Q + 1: the `3N + 3Q + 2` tokens minus the last."""
-        return 3 * (self.num_pairs + self.num_queries) + 1
+        """T = g(N + Q) + 1 with g = key_tokens + 1 tokens per pair (3N + 3Q + 1 for
+        two-token keys): the `g(N + Q) + 2` tokens minus the last."""
+        return (self.key_tokens + 1) * (self.num_pairs + self.num_queries) + 1
 
     def batch(self, key: jax.Array, batch_size: int) -> Batch:
         """`make_recall_batch(key, self, batch_size)`."""
@@ -210,30 +219,30 @@ def make_recall_batch(key: jax.Array, config: RecallTaskConfig, batch_size: int)
 
     Returns:
       dict with int32 `inputs (B, T)`, int32 `targets (B, T)` (the next tokens) and bool
-      `scored (B, T)`: True exactly where the input is a query's second key token.
+      `scored (B, T)`: True exactly where the input is a query's last key token.
 
     Raises:
       ValueError: if batch_size < 1.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    n, q, k = config.num_pairs, config.num_queries, config.num_key_symbols
+    n, q, k, g = config.num_pairs, config.num_queries, config.num_key_symbols, config.key_tokens + 1
     key_key, value_key, query_key = jax.random.split(key, 3)
-    # The first N of a random permutation of the K*K keys: distinct keys per row.
-    pair = jnp.argsort(jax.random.uniform(key_key, (batch_size, k * k)), axis=1)[:, :n]  # (B, N)
-    a, b = FIRST_SYMBOL + pair // k, FIRST_SYMBOL + pair % k
+    # The first N of a random permutation of the K**key_tokens keys: distinct keys per row.
+    pair = jnp.argsort(jax.random.uniform(key_key, (batch_size, k**config.key_tokens)), axis=1)[:, :n]  # (B, N)
+    key_columns = [FIRST_SYMBOL + pair // k, FIRST_SYMBOL + pair % k] if g == 3 else [FIRST_SYMBOL + pair]
     v = jax.random.randint(value_key, (batch_size, n), 0, config.num_values) + config.first_value
     if config.queries_with_replacement:
         asked = jax.random.randint(query_key, (batch_size, q), 0, n)  # (B, Q) pair indices, repeats allowed
     else:
         asked = jnp.argsort(jax.random.uniform(query_key, (batch_size, n)), axis=1)[:, :q]  # (B, Q) distinct
     take = lambda x: jnp.take_along_axis(x, asked, axis=1)
-    triples = lambda *xs: jnp.stack(xs, axis=-1).reshape(batch_size, -1)  # (B, 3·count): a b v a b v …
+    groups = lambda *xs: jnp.stack(xs, axis=-1).reshape(batch_size, -1)  # (B, g·count): a b v a b v … or k v k v …
     column = lambda token: jnp.full((batch_size, 1), token, jnp.int32)
-    tokens = jnp.concatenate([column(BOS), triples(a, b, v), column(SEP), triples(take(a), take(b), take(v))],
-                             axis=1).astype(jnp.int32)  # (B, 3N + 3Q + 2)
+    tokens = jnp.concatenate([column(BOS), groups(*key_columns, v), column(SEP),
+                              groups(*map(take, key_columns), take(v))], axis=1).astype(jnp.int32)  # (B, g(N+Q)+2)
     pos = jnp.arange(tokens.shape[1])
-    query_value = (pos >= 3 * n + 2) & ((pos - (3 * n + 2)) % 3 == 2)  # token positions of the queries' values
+    query_value = (pos >= g * n + 2) & ((pos - (g * n + 2)) % g == g - 1)  # token positions of the queries' values
     scored = jnp.broadcast_to(query_value[1:], (batch_size, tokens.shape[1] - 1))
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "scored": scored}
 
@@ -258,11 +267,21 @@ class RepeatTaskConfig:
     min_repeat: int = 4
     max_repeat: int = 16  # at most T // 2
     num_symbols: int = 24  # at least max_repeat (distinct symbols per copy)
+    # Also measure, at every evaluation, each head's prefix-matching score and the
+    # copying effect on a fixed probe (`eval_metrics`): how induction heads form.
+    track_induction: bool = False
 
     def __post_init__(self):
         if not 2 <= self.min_repeat <= self.max_repeat <= min(self.seq_len // 2, self.num_symbols):
             raise ValueError(f"need 2 <= min_repeat <= max_repeat <= min(seq_len // 2, num_symbols), got "
                              f"{self.min_repeat}, {self.max_repeat}, seq_len={self.seq_len}, num_symbols={self.num_symbols}")
+        if not isinstance(self.track_induction, bool):
+            raise TypeError(f"track_induction must be a bool, got {self.track_induction!r}")
+
+    @property
+    def probe_repeat(self) -> int:
+        """R of the induction probe: the middle of the trained range [min_repeat, max_repeat]."""
+        return (self.min_repeat + self.max_repeat) // 2
 
     @property
     def vocab_size(self) -> int:
@@ -286,18 +305,184 @@ class RepeatTaskConfig:
         return self.batch(key, batch_size)
 
     def eval_metrics(self, decoding, logits: jax.Array, batch: Batch) -> dict[str, jax.Array]:
-        del decoding, logits, batch  # token accuracy on the scored second copy says it all
-        return {}
+        """Nothing beyond the generic metrics (token accuracy on the scored second copy
+        says it all), unless `track_induction`: then `prefix_matching` `(num_layers, H)`,
+        `second_copy_loss` and `copying` (nats) on `induction_probe()` (see
+        `jax_mha.lab.head_types.prefix_matching_score` and `copying_effect`)."""
+        del logits, batch
+        if not self.track_induction:
+            return {}
+        from jax_mha.lab import head_types  # here: head_types and models are not needed to build batches
+        from jax_mha.lab.models import logits_and_attention_weights
+
+        probe, r = jnp.asarray(self.induction_probe()), self.probe_repeat
+        probe_logits, weights = logits_and_attention_weights(getattr(decoding, "logits", decoding), probe)
+        copying = head_types.copying_effect(probe_logits, probe, r)
+        return {"prefix_matching": head_types.prefix_matching_score(weights, r),
+                "second_copy_loss": copying["second_copy_loss"], "copying": copying["copying"]}
+
+    def induction_probe(self, rows: int = 32) -> np.ndarray:
+        """int32 `(rows, 2R)`, R = `probe_repeat`: R distinct symbols, then the same R
+        again. NumPy with a fixed seed, not jax.random: it is built while the trainer's
+        evaluation is traced, and must be the same probe at every evaluation."""
+        rng = np.random.default_rng(PROBE_SEED)
+        seq = np.stack([rng.permutation(self.num_symbols)[: self.probe_repeat] for _ in range(rows)])
+        return (FIRST_SYMBOL + np.concatenate([seq, seq], axis=1)).astype(np.int32)
+
+
+PROBE_SEED = 2**31 - 3  # the induction probe's rows: fixed, apart from every training and evaluation key
+
+
+@dataclasses.dataclass(frozen=True)
+class MarkovTaskConfig:
+    """In-context learning of Markov chains (Edelman et al. 2024, "ICL-MC").
+
+    Every row is a fresh Markov chain on `num_states` states: each row of its
+    transition matrix is drawn from a symmetric Dirichlet(`concentration`), the first
+    state from the chain's stationary distribution, then `seq_len` transitions (as the
+    paper's code does). Tokens are the states, `0 … k-1` (no special tokens), and the
+    loss is scored at every position: predicting x_{t+1} from x_0 … x_t. No fixed
+    table can do well (the chain is new in every row); what can be learned is a rule
+    that reads the context: the in-context unigram frequencies, then the in-context
+    bigram (transition) counts, which a statistical induction head computes
+    (`in_context_strategies`). Evaluations report the loss and the KL divergence to
+    the model of each strategy on the same held-out rows (`eval_metrics`).
+    """
+
+    name: ClassVar[str] = "markov"
+    stop_metric: ClassVar[str | None] = None  # a fixed budget: the stages of the loss curve are the measure
+
+    seq_len: int = 64  # T, tokens the model reads (the paper's code default: 100)
+    num_states: int = 3  # k, the vocabulary (the paper's code default: 2)
+    concentration: float = 1.0  # 1: every transition row uniform on the simplex, the paper's prior
+
+    def __post_init__(self):
+        for field, low in (("seq_len", 2), ("num_states", 2)):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{field} must be an int >= {low}, got {value!r}")
+        c = self.concentration
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c < float("inf"):  # NaN fails too
+            raise ValueError(f"concentration must be a finite number > 0, got {self.concentration!r}")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.num_states
+
+    def chains(self, key: jax.Array, batch_size: int) -> tuple[jax.Array, jax.Array]:
+        """`sample_markov_chains(key, self, batch_size)`: `(transitions (B, k, k), tokens (B, T + 1))`."""
+        return sample_markov_chains(key, self, batch_size)
+
+    def batch(self, key: jax.Array, batch_size: int) -> Batch:
+        """`inputs = tokens[:, :-1]`, `targets = tokens[:, 1:]`, every position scored; jittable."""
+        _, tokens = self.chains(key, batch_size)
+        return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+                "scored": jnp.ones((batch_size, self.seq_len), bool)}
+
+    def eval_batch(self, key: jax.Array, batch_size: int) -> Batch:
+        return self.batch(key, batch_size)
+
+    def eval_metrics(self, decoding, logits: jax.Array, batch: Batch) -> dict[str, jax.Array]:
+        """On the held-out rows, for each strategy S of `in_context_strategies`: `S_loss`,
+        its cross-entropy on the targets (nats, the positions the model's `loss`
+        averages), and `kl_S`, the mean KL(S || model) (nats): which strategy the model
+        is closest to, as in the paper's Figure 1 (right)."""
+        del decoding
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # (B, T, k)
+        weight = batch["scored"].astype(jnp.float32)
+        mean = lambda x: (x * weight).sum() / jnp.maximum(weight.sum(), 1.0)
+        out = {}
+        for name, probs in in_context_strategies(batch["inputs"], self.num_states).items():
+            logq = jnp.log(probs)
+            out[f"{name}_loss"] = mean(-jnp.take_along_axis(logq, batch["targets"][..., None], axis=-1)[..., 0])
+            out[f"kl_{name}"] = mean(jnp.sum(probs * (logq - logp), axis=-1))
+        return out
+
+
+def stationary_distribution(transitions: jax.Array, squarings: int = 24) -> jax.Array:
+    """`pi` with `pi @ P = pi` for row-stochastic `P (…, k, k)` with positive entries:
+    any row of `P^(2^squarings)` (rows renormalised after each squaring against
+    float32 drift). Returns `(…, k)`."""
+    power = transitions
+    for _ in range(squarings):
+        power = power @ power
+        power = power / power.sum(-1, keepdims=True)
+    return power.mean(-2)
+
+
+def sample_markov_chains(key: jax.Array, config: MarkovTaskConfig, batch_size: int) -> tuple[jax.Array, jax.Array]:
+    """One Markov chain per row and a sequence from it; jittable (config, batch_size static).
+
+    Returns:
+      `(transitions, tokens)`: float32 `(B, k, k)`, row i the distribution of the state
+      after i; int32 `(B, T + 1)` states, the first from the stationary distribution.
+
+    Raises:
+      ValueError: if batch_size < 1.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    k = config.num_states
+    p_key, start_key, step_key = jax.random.split(key, 3)
+    transitions = jax.random.dirichlet(p_key, jnp.full((k,), config.concentration, jnp.float32), (batch_size, k))
+    logp = jnp.log(transitions)  # (B, k, k); a zero entry is -inf, which categorical never draws
+    first = jax.random.categorical(start_key, jnp.log(stationary_distribution(transitions)))  # (B,)
+
+    def step(state, step_key):
+        row = jnp.take_along_axis(logp, state[:, None, None], axis=1)[:, 0]  # (B, k)
+        nxt = jax.random.categorical(step_key, row)
+        return nxt, nxt
+
+    _, rest = jax.lax.scan(step, first, jax.random.split(step_key, config.seq_len))  # (T, B)
+    return transitions, jnp.concatenate([first[:, None], rest.T], axis=1).astype(jnp.int32)
+
+
+def in_context_strategies(inputs: jax.Array, num_states: int) -> dict[str, jax.Array]:
+    """Next-state distributions of the strategies of Edelman et al. 2024 at every position.
+
+    With counts taken over the context x_0 … x_t (add-one smoothing, as the paper's
+    code does):
+      `uniform`: 1/k;
+      `unigram`: (n_j + 1) / (t + 1 + k), n_j the occurrences of state j;
+      `bigram`: (n_{x_t -> j} + 1) / (n_{x_t -> .} + k), the transitions out of the
+        current state seen so far: the Bayes posterior mean of P[x_t] under the
+        Dirichlet(1) prior, what a statistical induction head computes.
+
+    Args:
+      inputs: int `(B, T)`, states in `[0, num_states)`.
+
+    Returns:
+      dict of float32 `(B, T, k)` distributions.
+    """
+    k, t = num_states, inputs.shape[-1]
+    one_hot = jax.nn.one_hot(inputs, k, dtype=jnp.float32)  # (B, T, k)
+    seen = jnp.cumsum(one_hot, axis=1)  # (B, T, k): occurrences in x_0 … x_t
+    unigram = (seen + 1.0) / (jnp.arange(1, t + 1, dtype=jnp.float32)[None, :, None] + k)
+    pairs = one_hot[:, :-1, :, None] * one_hot[:, 1:, None, :]  # (B, T-1, k, k): the transition into s + 1
+    counts = jnp.concatenate([jnp.zeros_like(pairs[:, :1]), jnp.cumsum(pairs, axis=1)], axis=1)  # (B, T, k, k)
+    out_of_current = jnp.einsum("btk,btkj->btj", one_hot, counts)  # (B, T, k)
+    bigram = (out_of_current + 1.0) / (out_of_current.sum(-1, keepdims=True) + k)
+    return {"uniform": jnp.full_like(unigram, 1.0 / k), "unigram": unigram, "bigram": bigram}
 
 
 TASKS: dict[str, type] = {CopyTaskConfig.name: CopyTaskConfig, TextTaskConfig.name: TextTaskConfig,
-                          RecallTaskConfig.name: RecallTaskConfig, RepeatTaskConfig.name: RepeatTaskConfig}
+                          RecallTaskConfig.name: RecallTaskConfig, RepeatTaskConfig.name: RepeatTaskConfig,
+                          MarkovTaskConfig.name: MarkovTaskConfig}
 LMTaskConfig = TextTaskConfig  # the language-model task under its task name
 
 
+# Fields added after results were saved, left out of `task_to_dict` at their default, so
+# the dicts (and the fingerprints of saved runs that hold them) of tasks that do not use
+# them are what they were; `task_from_dict` restores the default.
+_LATER_FIELDS = {"mqar": {"key_tokens": 2}, "repeat": {"track_induction": False}}
+
+
 def task_to_dict(task: Task) -> dict[str, Any]:
-    """The task as plain data (for checkpoints and results.json): its fields plus `name`."""
-    return {"name": task.name, **dataclasses.asdict(task)}
+    """The task as plain data (for checkpoints and results.json): its fields plus `name`
+    (a field of `_LATER_FIELDS` only when it is not its default)."""
+    later = _LATER_FIELDS.get(task.name, {})
+    fields = {k: v for k, v in dataclasses.asdict(task).items() if k not in later or v != later[k]}
+    return {"name": task.name, **fields}
 
 
 def task_from_dict(data: dict[str, Any]) -> Task:

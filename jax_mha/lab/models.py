@@ -37,7 +37,9 @@ class ModelConfig:
     # is, which separates "more heads" from "smaller heads" (Bhojanapalli et al. 2020).
     head_dim: int | None = None
     num_layers: int = 2  # one layer can copy via absolute positions; two leave room for an induction circuit
-    d_ff: int = 1024  # 4 * d_model, as in Vaswani et al.
+    # 4 * d_model, as in Vaswani et al. 0: attention only, no feed-forward half in any block
+    # (`AttentionOnlyBlock`; the toy models of Elhage et al. 2021 and Zoology's MQAR models).
+    d_ff: int = 1024
     dropout_rate: float = 0.0  # the copy task has infinite fresh data: nothing to regularise
     pre_norm: bool = True  # with the final norm below, the GPT-2 layout: stable at lr 1e-3 without tuning
     positional: str = "learned"  # "learned" or "sinusoidal", see Decoder
@@ -49,8 +51,8 @@ class ModelConfig:
             value = getattr(self, field)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
                 raise TypeError(f"{field} must be an int, got {value!r}")
-            if value < 1:
-                raise ValueError(f"{field} must be >= 1, got {value}")
+            if value < (0 if field == "d_ff" else 1):
+                raise ValueError(f"{field} must be >= {0 if field == 'd_ff' else 1}, got {value}")
         if not 0.0 <= self.dropout_rate < 1.0:  # also False for NaN
             raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate}")
         if self.positional not in POSITIONAL:
@@ -107,6 +109,50 @@ def check_tokens(tokens, vocab_size: int, max_len: int | None = None) -> None:
         raise ValueError(f"token id {values[bad].flat[0]} is outside [0, vocab_size={vocab_size})")
 
 
+class AttentionOnlyBlock(nn.Module):
+    """A `TransformerBlock` without its feed-forward half: `x + Dropout(MHA(LN(x)))`
+    (pre-norm) or `LN(x + Dropout(MHA(x)))` (post-norm). What `ModelConfig(d_ff=0)`
+    builds: the attention-only models of Elhage et al. 2021 and Olsson et al. 2022,
+    in which every path from the input to the logits goes through heads, so a circuit
+    such as an induction head has to be made of heads. Parameters `attention` and
+    `norm1`, named as in `TransformerBlock` (whose other parameters it lacks).
+
+    Attributes are `TransformerBlock`'s of the same names (`head_dim=None`: d_model // H).
+    """
+
+    num_heads: int
+    head_dim: int | None = None
+    dropout_rate: float = 0.0
+    pre_norm: bool = True
+    implementation: str | None = "auto"
+    decode: bool = False
+    attention_fn: Callable | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, deterministic: bool = True, return_weights: bool = False,
+                 **attention_args):
+        """`(B…, N, d_model) -> (B…, N, d_model)`, or `(y, weights (B…, H, N, N))` with
+        `return_weights`; `attention_args` as in `TransformerBlock.__call__`.
+
+        Raises:
+          ValueError: for dropout (`deterministic=False`) without a "dropout" rng, and as
+            `MultiHeadAttention.__call__`.
+        """
+        _require_dropout_rng(self, self.dropout_rate, deterministic)
+        width = None if self.head_dim is None else self.num_heads * self.head_dim  # None: d_model
+        mha = MultiHeadAttention(
+            num_heads=self.num_heads, d_model=width, out_features=None if width is None else x.shape[-1],
+            dropout_rate=0.0, implementation=self.implementation, decode=self.decode,
+            attention_fn=self.attention_fn, name="attention")
+        norm = nn.LayerNorm(name="norm1")
+        out = mha(norm(x) if self.pre_norm else x, deterministic=deterministic, return_weights=return_weights,
+                  **attention_args)
+        a, weights = out if return_weights else (out, None)
+        x = x + nn.Dropout(self.dropout_rate)(a, deterministic=deterministic)
+        x = x if self.pre_norm else norm(x)
+        return (x, weights) if return_weights else x
+
+
 class Decoder(nn.Module):
     """Token embedding + positions → `num_layers` causal blocks → LayerNorm → logits.
 
@@ -114,7 +160,8 @@ class Decoder(nn.Module):
     back, and a learned table lets query and key positions line up for that one
     offset directly; the sinusoidal table (no parameters, extrapolates) is there to
     compare. Parameters: `embed`, `positions` (learned only), `block_{i}`,
-    `final_norm`, `logits`.
+    `final_norm`, `logits`. With `ModelConfig(d_ff=0)` every block is an
+    `AttentionOnlyBlock` (no feed-forward half).
 
     With `decode=True` (same parameters) every block keeps a KV cache and the model
     keeps `cache/position` (the next position to write): `init` with tokens of the
@@ -175,12 +222,7 @@ class Decoder(nn.Module):
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         all_weights = []
         for layer in range(cfg.num_layers):
-            block = TransformerBlock(
-                num_heads=cfg.num_heads, d_ff=cfg.d_ff, head_dim=cfg.head_dim, dropout_rate=cfg.dropout_rate,
-                pre_norm=cfg.pre_norm, implementation=cfg.implementation, decode=self.decode,
-                attention_fn=self.attention_fn, name=f"block_{layer}",
-            )
-            out = block(
+            out = self._block(layer)(
                 x, is_causal=True, head_mask=None if head_mask is None else head_mask[layer],
                 deterministic=deterministic, return_weights=return_weights,
             )
@@ -190,6 +232,15 @@ class Decoder(nn.Module):
         logits = nn.Dense(cfg.vocab_size, name="logits")(x).astype(jnp.float32)  # (B…, T, V)
         return (logits, jnp.stack(all_weights)) if return_weights else logits
 
+
+    def _block(self, layer: int) -> nn.Module:
+        """Block `layer`: a `TransformerBlock`, or an `AttentionOnlyBlock` when `d_ff == 0`
+        (same names, `block_{layer}/attention` and `/norm1`, so the analyses find its heads)."""
+        cfg = self.config
+        common = dict(num_heads=cfg.num_heads, head_dim=cfg.head_dim, dropout_rate=cfg.dropout_rate,
+                      pre_norm=cfg.pre_norm, implementation=cfg.implementation, decode=self.decode,
+                      attention_fn=self.attention_fn, name=f"block_{layer}")
+        return TransformerBlock(d_ff=cfg.d_ff, **common) if cfg.d_ff else AttentionOnlyBlock(**common)
 
     def _position_rows(self, table: jax.Array, length: int) -> jax.Array:
         """Rows `p … p + length - 1` of the `(max_len, d)` table: p = 0, or with

@@ -1,0 +1,259 @@
+"""Anchor (a): induction heads form in 2-layer but not in 1-layer attention-only
+transformers (Elhage et al. 2021; Olsson et al. 2022), at CPU scale.
+
+Attention-only decoders (`ModelConfig(d_ff=0)`: no MLP, so any circuit is made of heads)
+of one and of two layers train on repeated random sequences of varying length
+(`RepeatTaskConfig`: R distinct random symbols, the same R again; R varies per row, so
+no fixed offset finds the answer; the loss is scored on the repeated half). Every
+evaluation records the held-out loss on the repeated half and each head's
+prefix-matching score on a fixed probe (`RepeatTaskConfig(track_induction=True)`), so
+the curves show when, and whether, an induction head forms. Several seeds per depth in
+one vmapped program each.
+
+    python -m experiments.anchor_induction                   # the page's run (standard)
+    python -m experiments.anchor_induction --preset tiny --out /tmp/a   # seconds, a smoke test
+
+Output (--out, default results/anchors/induction): results.json (curves per seed;
+a rerun skips the depths already there), artifact.json (per-seed values), summary.md,
+anchor_induction.png. The standard preset also writes the artifact to
+docs/results/data/anchor_induction.json and the figure beside the page
+(docs/results/anchor_induction.png), which `experiments.report` renders the page from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from experiments import common, common_anchors
+from experiments.common import save_figure, write_atomic, write_json
+from jax_mha.lab import head_types
+from jax_mha.lab.data import RepeatTaskConfig, task_to_dict
+from jax_mha.lab.models import ModelConfig
+from jax_mha.lab.train import TrainConfig, train_seeds
+
+MODULE = "experiments.anchor_induction"
+NAME = "induction"
+DOCS = common.CHECKOUT / "docs" / "results"
+
+
+@dataclasses.dataclass(frozen=True)
+class AnchorConfig:
+    """Depths compared on the repeated-sequence task, everything else fixed."""
+
+    layers: tuple[int, ...]  # depths trained, each with num_seeds seeds
+    num_seeds: int
+    task: RepeatTaskConfig
+    model: ModelConfig  # num_layers replaced by each depth; d_ff = 0 (attention only)
+    train: TrainConfig
+    threshold: float = head_types.INDUCTION_THRESHOLD  # a head is an induction head at this prefix matching
+
+    @property
+    def seeds(self) -> list[int]:
+        return list(range(self.num_seeds))
+
+
+def _preset(task: RepeatTaskConfig, d_model: int, heads: int, steps: int, every: int, seeds: int, batch: int,
+            eval_size: int) -> AnchorConfig:
+    model = ModelConfig(vocab_size=task.vocab_size, max_len=task.seq_len, d_model=d_model, num_heads=heads,
+                        num_layers=2, d_ff=0)
+    # A constant rate after warmup: the formation step then reflects the task, not a decay schedule.
+    train = TrainConfig(batch_size=batch, num_steps=steps, learning_rate=1e-3, warmup_steps=min(30, steps // 4),
+                        end_lr_ratio=1.0, steps_per_call=every, eval_every=every, eval_size=eval_size,
+                        early_stop=False)
+    return AnchorConfig(layers=(1, 2), num_seeds=seeds, task=task, model=model, train=train)
+
+
+def standard() -> AnchorConfig:
+    """1 and 2 layers x 5 seeds, d_model 32, 2 heads, T = 32 (R in [4, 16], 24 symbols),
+    batch 32, 2,000 steps at lr 1e-3, evaluated every 25 steps."""
+    task = RepeatTaskConfig(seq_len=32, min_repeat=4, max_repeat=16, num_symbols=24, track_induction=True)
+    return _preset(task, 32, 2, 2000, 25, 5, 32, 256)
+
+
+def tiny() -> AnchorConfig:
+    """A smoke test in seconds: T = 12, d_model 8, 10 steps (one evaluation), 2 seeds."""
+    task = RepeatTaskConfig(seq_len=12, min_repeat=2, max_repeat=6, num_symbols=8, track_induction=True)
+    return _preset(task, 8, 2, 10, 10, 2, 8, 16)
+
+
+PRESETS: dict[str, Callable[[], AnchorConfig]] = {"standard": standard, "tiny": tiny}
+
+
+def build_parser():
+    p = common.parser(MODULE, __doc__.split("\n\n")[0].replace("\n", " "))
+    p.epilog = "presets:\n" + "\n".join(f"  {n:<9} {' '.join(f.__doc__.split())}" for n, f in PRESETS.items())
+    p.add_argument("--preset", choices=sorted(PRESETS), default="standard", help="configuration (default standard)")
+    p.add_argument("--layers", type=common.positive_int, nargs="+", help="depths (default 1 2)")
+    p.add_argument("--seeds", type=common.positive_int, help="seeds per depth")
+    p.add_argument("--steps", type=common.positive_int, help="optimizer steps (a multiple of the evaluation interval)")
+    p.add_argument("--out", type=Path, help="output folder (default results/anchors/induction[-<preset>])")
+    p.add_argument("--artifact", type=Path, help="also write the artifact here (default for the standard preset: "
+                   "docs/results/data/anchor_induction.json, the figure beside the page)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--replot", action="store_true", help="redo the artifact, summary and figure from --out's results.json")
+    return p
+
+
+def parse(argv):
+    p = build_parser()
+    args = p.parse_args(argv)
+
+    def build():
+        cfg = PRESETS[args.preset]()
+        train = cfg.train if args.steps is None else dataclasses.replace(cfg.train, num_steps=args.steps)
+        return dataclasses.replace(cfg, train=train, num_seeds=args.seeds or cfg.num_seeds,
+                                   layers=tuple(args.layers) if args.layers else cfg.layers)
+
+    cfg = common.build_or_exit(p, build)
+    suffix = "" if args.preset == "standard" else f"-{args.preset}"
+    args.out = args.out or Path("results") / "anchors" / f"{NAME}{suffix}"
+    if args.artifact is None and args.preset == "standard":
+        args.artifact = DOCS / "data" / f"anchor_{NAME}.json"
+    return args, cfg
+
+
+def first_step(steps, values, threshold: float) -> int | None:
+    """The first evaluation step whose value is at or above `threshold`, else None."""
+    hit = np.flatnonzero(np.asarray(values) >= threshold)
+    return int(steps[hit[0]]) if hit.size else None
+
+
+def train_depth(layers: int, cfg: AnchorConfig, progress: bool) -> dict:
+    """All seeds of one depth; the curves per seed and the values the page reports."""
+    model = dataclasses.replace(cfg.model, num_layers=layers)
+    bar = common.TrainingBar(cfg.train.num_steps, f"{layers} layer{'s' if layers > 1 else ''}", not progress)
+    try:
+        result = train_seeds(model, cfg.task, cfg.train, cfg.seeds, callback=bar)
+    finally:
+        bar.close()
+    ev, steps = result.evals, result.evals["step"]
+    runs = []
+    for i, seed in enumerate(result.seeds):
+        pm = ev["prefix_matching"][i]  # (E, layers, H)
+        best = pm.max(axis=(1, 2))  # (E,)
+        final = pm[-1]
+        runs.append({"seed": seed, "eval_loss": ev["loss"][i], "eval_accuracy": ev["token_accuracy"][i],
+                     "prefix_matching": pm, "copying": ev["copying"][i],
+                     "final_loss": float(ev["loss"][i, -1]), "final_accuracy": float(ev["token_accuracy"][i, -1]),
+                     "max_prefix_matching": float(final.max()),
+                     "best_head": [int(x) for x in np.unravel_index(final.argmax(), final.shape)],
+                     "formation_step": first_step(steps, best, cfg.threshold),
+                     "half_accuracy_step": first_step(steps, ev["token_accuracy"][i], 0.5),
+                     "final_copying": float(ev["copying"][i, -1])})
+    return {"layers": layers, "eval_step": steps, "wall_seconds": result.wall_seconds,
+            "train_seconds": result.train_seconds, "runs": runs}
+
+
+def artifact(results: dict) -> dict:
+    """The per-seed values the page is rendered from (`experiments.common_anchors`, kind
+    "anchor_induction"): small, no curves."""
+    cfg = results["config"]
+    keys = ("final_loss", "final_accuracy", "max_prefix_matching", "best_head", "formation_step",
+            "half_accuracy_step", "final_copying")
+    return {"kind": "anchor_induction", "task": cfg["task"],
+            "model": {k: cfg["model"][k] for k in ("d_model", "num_heads", "d_ff", "positional", "pre_norm")},
+            "train": {k: cfg["train"][k] for k in ("batch_size", "num_steps", "learning_rate", "warmup_steps",
+                                                   "eval_every", "eval_size")},
+            "threshold": cfg["threshold"], "probe_repeat": results["probe_repeat"], "chance": results["chance"],
+            "metadata": {k: results["metadata"].get(k) for k in ("cpu", "cpu_count", "load_average", "commit",
+                                                                  "dirty", "argv")},
+            "arms": {key: {"seeds": [r["seed"] for r in arm["runs"]], "wall_seconds": arm["wall_seconds"],
+                           **{k: [r[k] for r in arm["runs"]] for k in keys}} for key, arm in results["arms"].items()}}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    cfg, meta = results["config"], results["metadata"]
+    t, m = cfg["task"], cfg["model"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.0), layout="constrained")
+    for i, key in enumerate(sorted(results["arms"], key=int)):
+        arm = results["arms"][key]
+        for j, run in enumerate(arm["runs"]):
+            label = f"{key} layer{'s' if int(key) > 1 else ''}" if j == 0 else None
+            axes[0].plot(arm["eval_step"], run["eval_loss"], color=f"C{i}", alpha=0.8, label=label)
+            best = np.asarray(run["prefix_matching"]).max(axis=(1, 2))
+            axes[1].plot(arm["eval_step"], best, color=f"C{i}", alpha=0.8, label=label)
+    axes[0].set(xlabel="optimizer step", ylabel="held-out loss on the repeated half (nats)",
+                title="Loss on the repeated half (one line per seed)")
+    axes[1].axhline(cfg["threshold"], color="grey", ls="--", label=f"induction threshold {cfg['threshold']:g}")
+    axes[1].axhline(results["chance"], color="grey", ls=":", label="uniform attention")
+    axes[1].set(xlabel="optimizer step", ylabel="best head's prefix-matching score", ylim=(0, 1.02),
+                title=f"Prefix matching on a fixed probe (R = {results['probe_repeat']})")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"Induction heads, attention-only decoders (d_model {m['d_model']}, {m['num_heads']} heads, no MLP) "
+                 f"on repeated random sequences (T = {t['seq_len']}, R ∈ [{t['min_repeat']}, {t['max_repeat']}])\n"
+                 f"{cfg['num_seeds']} seeds per depth; machine: {meta['cpu']}, {meta['cpu_count']} cores (shared)")
+    save_figure(fig, path)
+
+
+def _saved(path: Path, config: dict) -> dict:
+    """What `path` holds from the same configuration ({} if nothing): its finished depths
+    are skipped by a rerun, its metadata (the first session's) kept. SystemExit naming the
+    file when it holds another configuration."""
+    if not path.exists():
+        return {}
+    saved = common.read_results(path, lambda d: None if isinstance(d, dict) and "arms" in d else "it has no arms")
+    if saved.get("config") != config:
+        raise SystemExit(f"error: {path} holds runs of another configuration; pass another --out or delete it")
+    return saved
+
+
+def finish(results: dict, args) -> None:
+    """The artifact, summary and figure from complete results (also `--replot`)."""
+    data = artifact(results)
+    text = common_anchors.summary(data)
+    write_json(args.out / "artifact.json", data)
+    write_atomic(args.out / "summary.md", text)
+    plot(results, args.out / f"anchor_{NAME}.png")
+    if args.artifact is not None:
+        write_json(args.artifact, data)
+        beside = args.artifact.parent.parent if args.artifact.parent.name == "data" else args.artifact.parent
+        plot(results, beside / f"anchor_{NAME}.png")  # docs/results/data/x.json: the figure beside the page
+    print("\n" + text)
+
+
+def main(argv=None) -> dict:
+    args, cfg = parse(argv)
+    common.start_study()
+    common.use_agg_backend()
+    if args.replot:
+        results = json.loads((args.out / "results.json").read_text())
+        finish(results, args)
+        return results
+    # The depths are the variable, not part of the configuration: a rerun may add depths to the folder.
+    config = json.loads(json.dumps({"task": task_to_dict(cfg.task), "model": dataclasses.asdict(cfg.model),
+                                    "train": dataclasses.asdict(cfg.train), "num_seeds": cfg.num_seeds,
+                                    "threshold": cfg.threshold}))
+    saved, metadata = _saved(args.out / "results.json", config), common.run_metadata()
+    results = {"config": config, "metadata": saved.get("metadata", metadata), "probe_repeat": cfg.task.probe_repeat,
+               "chance": head_types.prefix_matching_chance(cfg.task.probe_repeat),
+               "arms": saved.get("arms", {})}
+    if saved:  # a resumed run: each later session's machine and load, beside the first's
+        results["resumed"] = saved.get("resumed", []) + [metadata]
+    print(f"anchor {NAME}: depths {cfg.layers}, {cfg.num_seeds} seeds, {cfg.train.num_steps} steps; writing to "
+          f"{args.out}/", flush=True)
+    for layers in cfg.layers:
+        if str(layers) in results["arms"]:
+            print(f"{layers} layer(s): already in {args.out}/results.json", flush=True)
+            continue
+        try:
+            results["arms"][str(layers)] = train_depth(layers, cfg, not args.no_progress)
+        except KeyboardInterrupt:
+            done = sorted(results["arms"], key=int)
+            saved_text = f"depths {done} are saved in {args.out}/results.json" if done else "no depth had finished"
+            raise common.Interrupted(saved_text) from None
+        write_json(args.out / "results.json", results)
+    finish(results, args)
+    return results
+
+
+if __name__ == "__main__":
+    common.cli(main, MODULE)

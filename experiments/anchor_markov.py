@@ -1,0 +1,284 @@
+"""Anchor (c): on in-context Markov chains, a 2-layer attention-only transformer
+passes through a unigram stage before the bigram (statistical induction head)
+solution (Edelman et al. 2024), at CPU scale.
+
+Every row is drawn from its own Markov chain (`MarkovTaskConfig`: transition rows from
+Dirichlet(1), first state from the stationary distribution). Attention-only decoders
+(`ModelConfig(d_ff=0)`, one head per layer) of two layers, and of one layer as a control,
+train on next-state prediction at every position. At every evaluation the model's
+held-out loss is set beside the loss of three strategies on the same held-out rows
+(`jax_mha.lab.data.in_context_strategies`: uniform; in-context unigram counts; in-context
+bigram counts), and the KL divergence of each strategy to the model says which one the
+model is closest to. The true chain's loss (the oracle, from the transition matrices of
+the same rows) is the floor.
+
+    python -m experiments.anchor_markov                   # the page's run (standard)
+    python -m experiments.anchor_markov --preset tiny --out /tmp/c   # seconds, a smoke test
+
+Output (--out, default results/anchors/markov): results.json (curves per seed; a rerun
+skips the depths already there), artifact.json, summary.md, anchor_markov.png. The
+standard preset also writes the artifact to docs/results/data/anchor_markov.json and the
+figure beside the page (docs/results/anchor_markov.png).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from experiments import common, common_anchors
+from experiments.common import save_figure, write_atomic, write_json
+from jax_mha.lab.data import MarkovTaskConfig, in_context_strategies, sample_markov_chains, task_to_dict
+from jax_mha.lab.models import ModelConfig
+from jax_mha.lab.train import TrainConfig, train_seeds
+
+MODULE = "experiments.anchor_markov"
+NAME = "markov"
+DOCS = common.CHECKOUT / "docs" / "results"
+STRATEGIES = ("uniform", "unigram", "bigram")
+
+
+@dataclasses.dataclass(frozen=True)
+class AnchorConfig:
+    """Depths compared on in-context Markov chains, everything else fixed."""
+
+    layers: tuple[int, ...]
+    num_seeds: int
+    task: MarkovTaskConfig
+    model: ModelConfig  # num_layers replaced by each depth; d_ff = 0 (attention only)
+    train: TrainConfig
+    paper_rows: int = 4096  # rows behind the strategy lines of the paper's code setting (0: none)
+
+    @property
+    def seeds(self) -> list[int]:
+        return list(range(self.num_seeds))
+
+
+def _preset(task: MarkovTaskConfig, d_model: int, steps: int, every: int, seeds: int, eval_size: int,
+            batch: int = 64) -> AnchorConfig:
+    model = ModelConfig(vocab_size=task.vocab_size, max_len=task.seq_len, d_model=d_model, num_heads=1,
+                        num_layers=2, d_ff=0)
+    # Constant after warmup, as the paper's trainer (minGPT's AdamW, no schedule).
+    train = TrainConfig(batch_size=batch, num_steps=steps, learning_rate=3e-3, warmup_steps=min(50, steps // 4),
+                        end_lr_ratio=1.0, steps_per_call=every, eval_every=every, eval_size=eval_size,
+                        early_stop=False)
+    return AnchorConfig(layers=(1, 2), num_seeds=seeds, task=task, model=model, train=train)
+
+
+def standard() -> AnchorConfig:
+    """1 and 2 layers x 5 seeds; k = 3 states, T = 64; d_model 32, one head per layer;
+    batch 64, 2,000 steps at lr 3e-3, evaluated every 20 steps on 512 rows."""
+    return _preset(MarkovTaskConfig(seq_len=64, num_states=3), 32, 2000, 20, 5, 512)
+
+
+def tiny() -> AnchorConfig:
+    """A smoke test in seconds: k = 3, T = 12, d_model 8, 10 steps, 2 seeds, no paper-setting lines."""
+    return dataclasses.replace(_preset(MarkovTaskConfig(seq_len=12, num_states=3), 8, 10, 10, 2, 16, batch=8),
+                               paper_rows=0)
+
+
+PRESETS: dict[str, Callable[[], AnchorConfig]] = {"standard": standard, "tiny": tiny}
+
+
+def build_parser():
+    p = common.parser(MODULE, __doc__.split("\n\n")[0].replace("\n", " "))
+    p.epilog = "presets:\n" + "\n".join(f"  {n:<9} {' '.join(f.__doc__.split())}" for n, f in PRESETS.items())
+    p.add_argument("--preset", choices=sorted(PRESETS), default="standard", help="configuration (default standard)")
+    p.add_argument("--layers", type=common.positive_int, nargs="+", help="depths (default 1 2)")
+    p.add_argument("--seeds", type=common.positive_int, help="seeds per depth")
+    p.add_argument("--steps", type=common.positive_int, help="optimizer steps (a multiple of the evaluation interval)")
+    p.add_argument("--out", type=Path, help="output folder (default results/anchors/markov[-<preset>])")
+    p.add_argument("--artifact", type=Path, help="also write the artifact here (default for the standard preset: "
+                   "docs/results/data/anchor_markov.json, the figure beside the page)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--replot", action="store_true", help="redo the artifact, summary and figure from --out's results.json")
+    return p
+
+
+def parse(argv):
+    p = build_parser()
+    args = p.parse_args(argv)
+
+    def build():
+        cfg = PRESETS[args.preset]()
+        train = cfg.train if args.steps is None else dataclasses.replace(cfg.train, num_steps=args.steps)
+        return dataclasses.replace(cfg, train=train, num_seeds=args.seeds or cfg.num_seeds,
+                                   layers=tuple(args.layers) if args.layers else cfg.layers)
+
+    cfg = common.build_or_exit(p, build)
+    suffix = "" if args.preset == "standard" else f"-{args.preset}"
+    args.out = args.out or Path("results") / "anchors" / f"{NAME}{suffix}"
+    if args.artifact is None and args.preset == "standard":
+        args.artifact = DOCS / "data" / f"anchor_{NAME}.json"
+    return args, cfg
+
+
+def strategy_losses(task: MarkovTaskConfig, key, rows: int) -> dict[str, float]:
+    """Mean cross-entropy (nats) over every position of `rows` rows drawn with `key`: each
+    strategy of `in_context_strategies`, and `oracle`, the true chain's transition
+    probabilities (the rows' own matrices)."""
+    transitions, tokens = (np.asarray(x) for x in sample_markov_chains(key, task, rows))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    out = {"rows": rows}
+    for name, probs in in_context_strategies(inputs, task.num_states).items():
+        out[name] = float(-np.log(np.take_along_axis(np.asarray(probs), targets[..., None], -1)).mean())
+    true = transitions[np.arange(rows)[:, None], inputs]  # (rows, T, k): row x_t of each row's matrix
+    out["oracle"] = float(-np.log(np.take_along_axis(true, targets[..., None], -1)).mean())
+    return out
+
+
+def stages(steps, kls: dict[str, np.ndarray]) -> list[tuple[str, int]]:
+    """`[(strategy, step), …]`: the strategy closest to the model (least KL(strategy ||
+    model)) at each evaluation, one entry per change, with the step it began."""
+    closest = np.argmin(np.stack([np.asarray(kls[s]) for s in STRATEGIES]), axis=0)  # (E,)
+    out = []
+    for step, i in zip(steps, closest):
+        if not out or out[-1][0] != STRATEGIES[i]:
+            out.append((STRATEGIES[i], int(step)))
+    return out
+
+
+def train_depth(layers: int, cfg: AnchorConfig, progress: bool) -> dict:
+    model = dataclasses.replace(cfg.model, num_layers=layers)
+    bar = common.TrainingBar(cfg.train.num_steps, f"{layers} layer{'s' if layers > 1 else ''}", not progress)
+    try:
+        result = train_seeds(model, cfg.task, cfg.train, cfg.seeds, callback=bar)
+    finally:
+        bar.close()
+    ev, steps = result.evals, result.evals["step"]
+    runs = []
+    for i, seed in enumerate(result.seeds):
+        kls = {s: ev[f"kl_{s}"][i] for s in STRATEGIES}
+        runs.append({"seed": seed, "eval_loss": ev["loss"][i], **{f"kl_{s}": kls[s] for s in STRATEGIES},
+                     "stages": stages(steps, kls), "final_loss": float(ev["loss"][i, -1]),
+                     **{f"final_kl_{s}": float(kls[s][-1]) for s in STRATEGIES}})
+    lines = {s: float(ev[f"{s}_loss"][0, -1]) for s in STRATEGIES}  # the same held-out rows for every seed
+    return {"layers": layers, "eval_step": steps, "strategy_losses": lines, "wall_seconds": result.wall_seconds,
+            "train_seconds": result.train_seconds, "runs": runs}
+
+
+def artifact(results: dict) -> dict:
+    """The per-seed values the page is rendered from (kind "anchor_markov"): no curves."""
+    cfg = results["config"]
+    keys = ("stages", "final_loss", "final_kl_uniform", "final_kl_unigram", "final_kl_bigram")
+    return {"kind": "anchor_markov", "task": cfg["task"],
+            "model": {k: cfg["model"][k] for k in ("d_model", "num_heads", "d_ff", "positional", "pre_norm")},
+            "train": {k: cfg["train"][k] for k in ("batch_size", "num_steps", "learning_rate", "warmup_steps",
+                                                   "eval_every", "eval_size")},
+            "reference": results["reference"], "paper_setting": results["paper_setting"],
+            "metadata": {k: results["metadata"].get(k) for k in ("cpu", "cpu_count", "load_average", "commit",
+                                                                  "dirty", "argv")},
+            "arms": {key: {"seeds": [r["seed"] for r in arm["runs"]], "wall_seconds": arm["wall_seconds"],
+                           **{k: [r[k] for r in arm["runs"]] for k in keys}} for key, arm in results["arms"].items()}}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    cfg, meta, ref = results["config"], results["metadata"], results["reference"]
+    t, m = cfg["task"], cfg["model"]
+    arms = {int(k): v for k, v in results["arms"].items()}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2), layout="constrained")
+    for i, (layers, arm) in enumerate(sorted(arms.items())):
+        for j, run in enumerate(arm["runs"]):
+            axes[0].plot(arm["eval_step"], run["eval_loss"], color=f"C{i}", alpha=0.8,
+                         label=f"model, {layers} layer{'s' if layers > 1 else ''}" if j == 0 else None)
+    styles = {"uniform": ":", "unigram": "--", "bigram": "-.", "oracle": "-"}
+    for name, ls in styles.items():
+        label = "true chain (oracle)" if name == "oracle" else f"{name} strategy"
+        axes[0].axhline(ref[name], color="black", ls=ls, lw=0.9, label=f"{label} {ref[name]:.3f}")
+    two = arms.get(max(arms))
+    for name, color in (("unigram", "C2"), ("bigram", "C3"), ("uniform", "C7")):
+        for j, run in enumerate(two["runs"]):
+            axes[1].plot(two["eval_step"], run[f"kl_{name}"], color=color, alpha=0.8,
+                         label=f"KL({name} ‖ model)" if j == 0 else None)
+    axes[0].set(xlabel="optimizer step", ylabel="held-out loss (nats per token)",
+                ylim=(ref["oracle"] - 0.02, ref["uniform"] + 0.04), title="Held-out loss and the strategies' losses")
+    axes[1].set(xlabel="optimizer step", ylabel="KL(strategy ‖ model), nats", yscale="log",
+                title=f"Which strategy the {max(arms)}-layer model is closest to (one line per seed)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"In-context Markov chains (k = {t['num_states']}, T = {t['seq_len']}, Dirichlet("
+                 f"{t['concentration']:g}) rows), attention-only, d_model {m['d_model']}, {m['num_heads']} head per "
+                 f"layer; {cfg['num_seeds']} seeds per depth\nmachine: {meta['cpu']}, {meta['cpu_count']} cores (shared)")
+    save_figure(fig, path)
+
+
+def _saved(path: Path, config: dict) -> dict:
+    """What `path` holds from the same configuration ({} if nothing): its finished depths
+    are skipped by a rerun, its metadata (the first session's) kept. SystemExit naming the
+    file when it holds another configuration."""
+    if not path.exists():
+        return {}
+    saved = common.read_results(path, lambda d: None if isinstance(d, dict) and "arms" in d else "it has no arms")
+    if saved.get("config") != config:
+        raise SystemExit(f"error: {path} holds runs of another configuration; pass another --out or delete it")
+    return saved
+
+
+def finish(results: dict, args) -> None:
+    data = artifact(results)
+    text = common_anchors.summary(data)
+    write_json(args.out / "artifact.json", data)
+    write_atomic(args.out / "summary.md", text)
+    plot(results, args.out / f"anchor_{NAME}.png")
+    if args.artifact is not None:
+        write_json(args.artifact, data)
+        beside = args.artifact.parent.parent if args.artifact.parent.name == "data" else args.artifact.parent
+        plot(results, beside / f"anchor_{NAME}.png")  # docs/results/data/x.json: the figure beside the page
+    print("\n" + text)
+
+
+def references(cfg: AnchorConfig) -> tuple[dict, dict]:
+    """The strategy lines on the trainer's own held-out rows (same key and size), and on
+    `paper_rows` rows of the paper's code setting (T = 100, k = 2 and 3)."""
+    import jax
+
+    ours = strategy_losses(cfg.task, jax.random.key(cfg.train.eval_seed), cfg.train.eval_size)
+    paper = {f"k={k}, T=100": strategy_losses(MarkovTaskConfig(seq_len=100, num_states=k), jax.random.key(k),
+                                              cfg.paper_rows) for k in (2, 3) if cfg.paper_rows}
+    return ours, paper
+
+
+def main(argv=None) -> dict:
+    args, cfg = parse(argv)
+    common.start_study()
+    common.use_agg_backend()
+    if args.replot:
+        results = json.loads((args.out / "results.json").read_text())
+        finish(results, args)
+        return results
+    # The depths are the variable, not part of the configuration: a rerun may add depths to the folder.
+    config = json.loads(json.dumps({"task": task_to_dict(cfg.task), "model": dataclasses.asdict(cfg.model),
+                                    "train": dataclasses.asdict(cfg.train), "num_seeds": cfg.num_seeds}))
+    ours, paper = references(cfg)
+    saved, metadata = _saved(args.out / "results.json", config), common.run_metadata()
+    results = {"config": config, "metadata": saved.get("metadata", metadata), "reference": ours, "paper_setting": paper,
+               "arms": saved.get("arms", {})}
+    if saved:  # a resumed run: each later session's machine and load, beside the first's
+        results["resumed"] = saved.get("resumed", []) + [metadata]
+    print(f"anchor {NAME}: depths {cfg.layers}, {cfg.num_seeds} seeds, {cfg.train.num_steps} steps; strategy "
+          f"losses on the held-out rows: " + ", ".join(f"{k} {v:.4f}" for k, v in ours.items() if k != "rows")
+          + f"; writing to {args.out}/", flush=True)
+    for layers in cfg.layers:
+        if str(layers) in results["arms"]:
+            print(f"{layers} layer(s): already in {args.out}/results.json", flush=True)
+            continue
+        try:
+            results["arms"][str(layers)] = train_depth(layers, cfg, not args.no_progress)
+        except KeyboardInterrupt:
+            done = sorted(results["arms"], key=int)
+            saved_text = f"depths {done} are saved in {args.out}/results.json" if done else "no depth had finished"
+            raise common.Interrupted(saved_text) from None
+        write_json(args.out / "results.json", results)
+    finish(results, args)
+    return results
+
+
+if __name__ == "__main__":
+    common.cli(main, MODULE)
