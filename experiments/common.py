@@ -339,7 +339,7 @@ PRESETS: dict[str, Callable[[], AblationConfig]] = {"quick": quick, "full": full
 
 # The quick preset's peak learning rate per head count: the best of the dev-split grid
 # in docs/results/data/lm_quick_lr_grid.json (tests/test_report.py checks they agree).
-QUICK_RATES: tuple[tuple[int, float], ...] = ((1, 1e-2), (2, 1e-2), (4, 1e-2), (8, 1e-2), (16, 1e-2))
+QUICK_RATES: tuple[tuple[int, float], ...] = ((1, 5e-3), (2, 2e-2), (4, 2e-2), (8, 2e-2), (16, 1e-2))
 
 
 def _lm_preset(seq_len: int, d_model: int, train: TrainConfig, track_induction: bool = False, **kw) -> AblationConfig:

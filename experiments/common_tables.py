@@ -237,7 +237,13 @@ def lm_sweep_rates(data: dict) -> str:
     """The peak learning rate each head count trained at."""
     rates = data.get("learning_rates") or {}
     return table(["heads", *sorted(rates, key=int)], ["l"] + ["r"] * len(rates),
-                 [["peak lr", *(f"{rates[h]:g}" if rates[h] is not None else DASH for h in sorted(rates, key=int))]])
+                 [["peak lr", *(rate(rates[h]) if rates[h] is not None else DASH for h in sorted(rates, key=int))]])
+
+
+def rate(lr: float) -> str:
+    """A learning rate as people write it: 1e-3, 2.5e-3, 3e-2."""
+    mantissa, exponent = f"{lr:e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
 def best_rates(data: dict) -> dict[int, tuple[float, bool]]:
@@ -271,8 +277,8 @@ def lr_grid_table(data: dict) -> str:
             iv = stats.t_interval(values)
             text = f"{num(iv.mean, 3)} ± {num(iv.std, 3) if iv.n > 1 else DASH}"
             row.append(f"**{text}**" if lr == chosen else text)
-        rows.append(row + [f"{chosen:g}", "yes" if bracketed else "no (edge of the grid)"])
-    header = ["heads", *(f"lr {lr:g}" for lr in rates), "chosen", "bracketed"]
+        rows.append(row + [rate(chosen), "yes" if bracketed else "no (edge of the grid)"])
+    header = ["heads", *(f"lr {rate(lr)}" for lr in rates), "chosen", "bracketed"]
     return table(header, ["r"] * len(header), rows)
 
 

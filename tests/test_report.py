@@ -80,3 +80,42 @@ def test_recall_table_counts_solved_seeds_with_wilson():
     assert f"| 3/4 [{low:.2f}, {high:.2f}] |" in report.render(data, "table")
     assert "elimination" in report.render(data, "reference") and "0.125" in report.render(data, "reference")
     assert report.render(data, "comparisons").count("Holm p = ") == 2
+
+
+GRID = {"kind": "lr_grid", "metric": "dev bpc", "lower_is_better": True,
+        "cells": [{"heads": 1, "lr": 1e-3, "values": [2.5, 2.7]}, {"heads": 1, "lr": 3e-3, "values": [2.2, 2.4]},
+                  {"heads": 1, "lr": 1e-2, "values": [2.6, 2.8]}, {"heads": 4, "lr": 1e-3, "values": [2.4, 2.4]},
+                  {"heads": 4, "lr": 3e-3, "values": [2.35, 2.55]}]}
+
+
+def test_lr_grid_chooses_the_best_mean_and_says_whether_it_is_bracketed(tmp_path):
+    from experiments.common_tables import best_rates
+
+    assert best_rates(GRID) == {1: (3e-3, True), 4: (1e-3, False)}
+    text = report.render(GRID, "table")
+    assert "| 1 | 2.600 ± 0.141 | **2.300 ± 0.141** | 2.700 ± 0.141 | 3e-3 | yes |" in text
+    assert "| 4 | **2.400 ± 0.000** | 2.450 ± 0.141 | – | 1e-3 | no (edge of the grid) |" in text
+    higher = dict(GRID, lower_is_better=False)
+    assert best_rates(higher)[1] == (1e-2, False)
+    parts = []
+    for i, cells in enumerate((GRID["cells"][:3], GRID["cells"][3:])):
+        (tmp_path / f"{i}.json").write_text(json.dumps(dict(GRID, cells=cells)), encoding="utf-8")
+        parts.append(tmp_path / f"{i}.json")
+    assert report.merge(parts[::-1])["cells"] == sorted(GRID["cells"], key=lambda c: (c["heads"], c["lr"]))
+
+
+def test_quick_preset_rates_are_the_committed_grid_choice():
+    from experiments import common
+    from experiments.common_tables import best_rates
+
+    grid = json.loads((report.DATA / "lm_quick_lr_grid.json").read_text(encoding="utf-8"))
+    assert dict(common.QUICK_RATES) == {h: lr for h, (lr, _) in best_rates(grid).items()}
+
+
+def test_recall_standard_rates_are_the_committed_grid_choice():
+    from experiments import associative_recall
+    from experiments.common_tables import best_rates
+
+    grid = json.loads((report.DATA / "recall_lr_grid.json").read_text(encoding="utf-8"))
+    assert dict(associative_recall.STANDARD_RATES) == {h: lr for h, (lr, _) in best_rates(grid).items()}
+    assert associative_recall.standard().learning_rates == associative_recall.STANDARD_RATES

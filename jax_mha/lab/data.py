@@ -136,7 +136,8 @@ class RecallTaskConfig:
     SEP (k v)_q1 …`, scored where the input is a query's key.
 
     Queries. Each query draws one of the N keys uniformly, independently of the others
-    (repeats allowed, as Zoology's MQAR generator samples them). The earlier variant,
+    (repeats allowed; Zoology's own generator asks each key once, at power-law gaps, which
+    the query-after-all-pairs layout here cannot copy without the shortcut below). The earlier variant,
     every key asked exactly once (`queries_with_replacement=False`, Q = N), had a
     shortcut: the answer is a value of a pair not yet asked, so "the most common value
     among the pairs not yet asked" beats chance without any key lookup. With repeats,
