@@ -68,7 +68,8 @@ def table(header: Sequence[str], align: Sequence[str], rows: Sequence[Sequence[s
 
 def comparison_lines(family: dict[str, stats.Comparison], digits: int) -> str:
     """One bullet per comparison: difference [95 % t], paired t test p, Holm-adjusted p."""
-    lines = [f"- {name}: {interval(c.difference, digits, sign=True)}, p = {p_value(c.p)}, Holm p = {p_value(c.p_holm)}"
+    equals = lambda p: f"< {p_value(p)[1:]}" if p_value(p).startswith("<") else f"= {p_value(p)}"
+    lines = [f"- {name}: {interval(c.difference, digits, sign=True)}, p {equals(c.p)}, Holm p {equals(c.p_holm)}"
              for name, c in family.items()]
     return "\n".join(lines)
 
