@@ -6,7 +6,8 @@ The paths, each with its one `refusal(vis, call) -> str | None` beside it:
                 `WHOLE_SCORES_MAX_BYTES`; refuses nothing: the path of last resort
   "blockwise"   the engine in blocks (`blockwise`, `_flash`)
   "cudnn"       jax.nn's fused GPU kernel (`_cudnn`)
-  "pallas_tpu"  splash attention (`_pallas_tpu`); "pallas_gpu" Triton (`_pallas_gpu`, decoding
+  "pallas_tpu"  splash attention (`_pallas_tpu`; decoding steps on the paged-attention
+                kernel: `_pallas_tpu_decode`); "pallas_gpu" Triton (`_pallas_gpu`, decoding
                 steps on its decode kernel: `_pallas_gpu_decode`)
   "pallas_mgpu" the Hopper FlashAttention-3 kernel (`_pallas_mgpu`), named only
 
@@ -57,7 +58,7 @@ IMPLEMENTATIONS = PATHS + ("auto",)
 # The kernels "auto" tries, in order, on each platform; the pure-JAX path comes last.
 AUTO_CHAIN = {"tpu": ("pallas_tpu",), "gpu": ("cudnn", "pallas_gpu"), "cpu": ()}
 # The module behind a Pallas path, where it is not `_<path>`.
-MODULES = {"pallas_gpu": "pallas_gpu_decode"}
+MODULES = {"pallas_gpu": "pallas_gpu_decode", "pallas_tpu": "pallas_tpu_decode"}
 # The lowering platforms (`jax.lax.platform_dependent`'s names) `"auto"` stages a branch
 # for, each with the `AUTO_CHAIN` key (and `Call.platform`) it reads; any other gets
 # the pure-JAX path.

@@ -1,0 +1,145 @@
+"""`implementation="pallas_tpu"` as the dispatcher reaches it: a decoding step (one query
+row against a cache) on the Pallas TPU paged-attention kernel
+(`jax.experimental.pallas.ops.tpu.paged_attention`), every other call on splash
+attention (`jax_mha._pallas_tpu`), whose refusal is the one reported when the paged
+kernel refuses too.
+
+A decoding step (`jax_mha._attend`) describes its one new token with the cache index
+as query offset (`q_offset`, traced under jit) over the whole cache of length L. The
+paged kernel sees the keys `[0, length)` of each sequence, `length` an int32 array read
+at run time, so it needs no static offset: `length` is the end of the visible interval
+from `_masking.key_range` (causality, a window's right side) cut at `kv_lengths`. It
+has no start, so a window whose left edge may cut keys is refused. The translation:
+
+* the library's cache is contiguous, the kernel's is pages: k `(b, K, S, D)` is read as
+  `b · K` sequences of one kv head each, `(1, b · K · pages, page_size, D)`, a reshape
+  (no copy), with the trivial page table `arange` per sequence; the query heads
+  `(b, H, D)` become `(b · K, H // K, D)` likewise (GQA: query head h reads kv head
+  `h // (H // K)`, the library's grouping);
+* pages of `page_size` keys, the largest power of two up to `MAX_PAGE` dividing the
+  cache, at least `MIN_PAGE` (TPU sublane tiles): a cache whose length is not a
+  multiple of `MIN_PAGE` is padded with zero keys (a copy) that `length` excludes;
+* the scale folded into q (the kernel does not scale); `logits_soft_cap` is the
+  kernel's `attn_logits_soft_cap`, applied to the scaled logits as the description's.
+
+Refused by `decode_refusal` (the call then goes to `_pallas_tpu`): N != 1, segment ids,
+a window whose left edge may cut keys, Dv != D (the kernel takes one head dim), a
+mesh (the kernel runs outside a `shard_map`), float16, and what every Pallas path
+refuses (`common_refusal`) but a traced query offset and the soft-cap. Precision: the
+kernel rounds k and v to bfloat16 in VMEM whatever their dtype, so float32 inputs get
+bfloat16-rounded keys and values (TPUs multiply float32 at bfloat16 passes by
+default). Gradients: the kernel has no backward; reverse mode runs the blockwise
+engine's (`_pallas_mgpu.engine_backward`). Off a TPU the kernel runs in TPU interpret
+mode (`pltpu.force_tpu_interpret_mode`: the kernel takes no `interpret` argument).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_mha import _masking, _pallas_tpu
+from jax_mha._pallas_common import common_refusal, flat_batch, is_traced, kernel_mesh, round_up
+from jax_mha._pallas_gpu_decode import visible_interval
+from jax_mha._pallas_mgpu import engine_backward
+
+NAME = "implementation='pallas_tpu'"
+MIN_PAGE = 16  # bfloat16's sublane tile: a page reshapes into the kernel's key block as is
+MAX_PAGE = 128
+MAX_BLOCK_KEYS = 512  # keys per step of the kernel (pages_per_compute_block · page_size)
+
+
+def pages(s: int) -> tuple[int, int, int]:
+    """`(page_size, pages, pages_per_block)` for a cache of `s` keys: `pages` of
+    `page_size` keys cover `s` rounded up to `MIN_PAGE`, taken `pages_per_block` (a
+    divisor of `pages`) at a time, at most `MAX_BLOCK_KEYS` keys."""
+    s_pad = round_up(max(s, 1), MIN_PAGE)
+    size = MAX_PAGE
+    while s_pad % size:
+        size //= 2
+    count = s_pad // size
+    per_block = max(p for p in range(1, count + 1) if count % p == 0 and p * size <= max(MAX_BLOCK_KEYS, size))
+    return size, count, per_block
+
+
+def decode_refusal(vis: _masking.Visibility, call: _masking.Call) -> str | None:
+    """Why the paged kernel cannot run this call (one line), or None."""
+    if vis.n != 1:
+        return f"{NAME}'s decode kernel takes one query row, got N={vis.n}"
+    # The kernel reads the visible length at run time: a traced offset is fine here.
+    why = common_refusal("pallas_tpu", dataclasses.replace(vis, q_offset=None), call, takes=("logits_soft_cap",))
+    if why is not None:
+        return why
+    if jnp.dtype(call.q.dtype) == jnp.float16:
+        return f"{NAME}'s decode kernel takes bfloat16 or float32 inputs (TPUs have no float16 units), got float16"
+    if vis.segmented:
+        return f"{NAME}'s decode kernel cannot express segment ids (it sees the keys [0, length) of a sequence)"
+    left = vis.window is not None and vis.window.left is not None
+    if left and (is_traced(lo := _masking.key_range(vis, 0, 0, vis.s)[0]) or lo != 0):
+        return (f"{NAME}'s decode kernel cannot express a window whose left edge cuts keys (window="
+                f"{tuple(vis.window)}): it sees the keys [0, length) of a sequence")
+    if call.q.shape[-1] != call.v.shape[-1]:
+        return f"{NAME}'s decode kernel takes one head dim for q, k and v, got D={call.q.shape[-1]}, Dv={call.v.shape[-1]}"
+    if kernel_mesh(call.q) is not None:
+        return f"{NAME}'s decode kernel does not run under a mesh (it is not split by shard_map)"
+    return None
+
+
+def refusal(vis: _masking.Visibility, call: _masking.Call) -> str | None:
+    """Why neither the paged kernel nor splash attention can run this call
+    (`_pallas_tpu.refusal`'s line), or None."""
+    if decode_refusal(vis, call) is None:
+        return None
+    return _pallas_tpu.refusal(vis, call)
+
+
+def run(q, k, v, vis: _masking.Visibility, *, scale: float, interpret: bool) -> jax.Array:
+    """q `(B…, H, N, D)`, k `(B…, K, S, D)`, v `(B…, K, S, Dv)` (finite) under `vis`,
+    for which `refusal` returned None: on the paged kernel when it takes the call,
+    else `_pallas_tpu.run`.
+
+    Returns:
+      out `(B…, H, N, Dv)` in q's dtype; rows with no visible key hold anything finite
+      (the dispatcher fills them).
+    """
+    call = _masking.Call(q, k, v, platform="cpu" if interpret else "tpu")
+    if decode_refusal(vis, call) is not None:
+        return _pallas_tpu.run(q, k, v, vis, scale=scale, interpret=interpret)
+    kernel = functools.partial(_decode, scale=float(scale), interpret=bool(interpret))
+    return engine_backward(kernel, scale)(q, k, v, vis)
+
+
+def paged(x, page_size: int, count: int):
+    """The cache `x (b, K, S, D)` as the kernel's pages `(1, b · K · count, page_size, D)`
+    (zero keys appended up to `count · page_size`; a reshape when there are none)."""
+    b, kh, s, d = x.shape
+    if count * page_size > s:
+        x = jnp.pad(x, ((0, 0), (0, 0), (0, count * page_size - s), (0, 0)))
+    return x.reshape(1, b * kh * count, page_size, d)
+
+
+def _decode(q, k, v, vis, *, scale: float, interpret: bool):
+    """The paged kernel on q `(B…, H, 1, D)`, k `(B…, K, S, D)`, v `(B…, K, S, D)`:
+    out `(B…, H, 1, D)` in q's dtype."""
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    batch, qf, kf, vf = flat_batch(q, k, v)  # (b, H, 1, D), (b, K, S, D), (b, K, S, D)
+    b, h, _, d = qf.shape
+    kh, s = kf.shape[1], kf.shape[2]
+    size, count, per_block = pages(s)
+    _, stop = visible_interval(vis, batch)  # (b,): the start is 0 (decode_refusal)
+    lengths = jnp.repeat(stop, kh)  # (b · K,): one sequence per (sequence, kv head)
+    table = jnp.arange(b * kh * count, dtype=jnp.int32).reshape(b * kh, count)
+    # One rounding to q's dtype (the scale itself is not rounded to bfloat16 first).
+    qs = (qf.astype(jnp.float32) * scale).astype(q.dtype).reshape(b * kh, h // kh, d)
+    mode = pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
+    with jax.enable_x64(False), mode:  # the kernel mixes int32 program ids with Python ints
+        out = paged_attention(qs, paged(kf, size, count), paged(vf, size, count), lengths, table,
+                              attn_logits_soft_cap=vis.logits_soft_cap, pages_per_compute_block=per_block)
+    return out.reshape(batch + (h, 1, d)).astype(q.dtype)
+
