@@ -303,11 +303,14 @@ def _run_path(path, q, k, v, bad_kv, vis, call, *, scale, dropout_rate, dropout_
             dropout_rng=dropout_rng, return_lse=call.return_residual)
         return out, weights if call.return_weights else None, lse, empty, touched
     if path in ("cudnn", "pallas_tpu", "pallas_gpu", "pallas_mgpu"):
-        if path == "cudnn":
-            out = _cudnn.cudnn_attention(q, k, v, vis, scale=scale)
-        else:
-            interpret = call.platform == "cpu"  # a kernel runs on its own platform or interpreted
-            out = kernel_module(path).run(q, k, v, vis, scale=scale, interpret=interpret)
+        # The kernels are jax's code, written for standard promotion: a user's strict
+        # setting (`jax.numpy_dtype_promotion("strict")`) is for their own arithmetic.
+        with jax.numpy_dtype_promotion("standard"):
+            if path == "cudnn":
+                out = _cudnn.cudnn_attention(q, k, v, vis, scale=scale)
+            else:
+                interpret = call.platform == "cpu"  # a kernel runs on its own platform or interpreted
+                out = kernel_module(path).run(q, k, v, vis, scale=scale, interpret=interpret)
         empty, touched = _masking.dense_rows(vis, bad_kv, q.shape[-3])
         out = jnp.where(empty[..., None], 0.0, out.astype(_masking.compute_dtype(q.dtype)))  # kernels average v there
         return out, None, None, empty, touched

@@ -79,7 +79,7 @@ def test_recall_table_counts_solved_seeds_with_wilson():
     low, high = stats.wilson_interval(3, 4)
     assert f"| 3/4 [{low:.2f}, {high:.2f}] |" in report.render(data, "table")
     assert "elimination" in report.render(data, "reference") and "0.125" in report.render(data, "reference")
-    assert report.render(data, "comparisons").count("Holm p = ") == 2
+    assert report.render(data, "comparisons").count("Holm p ") == 2
 
 
 GRID = {"kind": "lr_grid", "metric": "dev bpc", "lower_is_better": True,

@@ -313,11 +313,10 @@ class RepeatTaskConfig:
         del logits, batch
         if not self.track_induction:
             return {}
-        from jax_mha.lab import head_types  # here: head_types and models are not needed to build batches
-        from jax_mha.lab.models import logits_and_attention_weights
+        from jax_mha.lab import head_types  # here: head_types is not needed to build batches
 
         probe, r = jnp.asarray(self.induction_probe()), self.probe_repeat
-        probe_logits, weights = logits_and_attention_weights(getattr(decoding, "logits", decoding), probe)
+        probe_logits, weights = head_types.logits_and_attention_weights(getattr(decoding, "logits", decoding), probe)
         copying = head_types.copying_effect(probe_logits, probe, r)
         return {"prefix_matching": head_types.prefix_matching_score(weights, r),
                 "second_copy_loss": copying["second_copy_loss"], "copying": copying["copying"]}

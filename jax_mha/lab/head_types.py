@@ -27,11 +27,13 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_mha.functional import attention_entropy
+from jax_mha.modules import MultiHeadAttention
 
 # More than half of a head's attention, averaged over queries, on the one key the
 # pattern names: that key then outweighs all other keys together, so the pattern is
@@ -525,3 +527,32 @@ def icl_score(nll: jax.Array, early: tuple[int, int] = ICL_EARLY, late_from_end:
     if not 0 <= early[0] < early[1] <= t - late_from_end:
         raise ValueError(f"a window of {t} positions cannot hold early {early} before the last {late_from_end}")
     return nll[:, t - late_from_end :].mean() - nll[:, early[0] : early[1]].mean()
+
+
+def logits_and_attention_weights(logits_fn, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Runs `logits_fn(tokens)` and also returns every attention layer's weights.
+
+    For code that only holds a logits function (a task's `eval_metrics` gets the
+    trainer's `Decoding.logits`): flax's `intercept_methods` asks each
+    `MultiHeadAttention` call for its weights on the way, so the probe needs no second
+    model and the trainer no change. Layers come back in call order.
+
+    Args:
+      logits_fn: int `(B, T)` -> float `(B, T, V)`, a `Decoder` applied to its params.
+      tokens: int `(B, T)`.
+
+    Returns:
+      `(logits (B, T, V), weights (num_layers, B, H, T, T))`.
+    """
+    captured = []
+
+    def interceptor(next_fun, args, kwargs, context):
+        if not (isinstance(context.module, MultiHeadAttention) and context.method_name == "__call__"):
+            return next_fun(*args, **kwargs)
+        out, weights = next_fun(*args, **{**kwargs, "return_weights": True})
+        captured.append(weights)
+        return (out, weights) if kwargs.get("return_weights") else out
+
+    with nn.intercept_methods(interceptor):
+        logits = logits_fn(tokens)
+    return logits, jnp.stack(captured)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mha.functional import IMPLEMENTATIONS
+from jax_mha.lab.head_types import logits_and_attention_weights  # noqa: F401  (re-exported: its home before)
 from jax_mha.modules import MultiHeadAttention, TransformerBlock, _require_dropout_rng, _require_mutable_cache
 
 POSITIONAL = ("learned", "sinusoidal")
@@ -255,35 +256,6 @@ class Decoder(nn.Module):
         if initialized:
             position.value = start + length
         return jax.lax.dynamic_slice_in_dim(table, start, length, axis=0)  # (T, d)
-
-
-def logits_and_attention_weights(logits_fn, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Runs `logits_fn(tokens)` and also returns every attention layer's weights.
-
-    For code that only holds a logits function (a task's `eval_metrics` gets the
-    trainer's `Decoding.logits`): flax's `intercept_methods` asks each
-    `MultiHeadAttention` call for its weights on the way, so the probe needs no second
-    model and the trainer no change. Layers come back in call order.
-
-    Args:
-      logits_fn: int `(B, T)` -> float `(B, T, V)`, a `Decoder` applied to its params.
-      tokens: int `(B, T)`.
-
-    Returns:
-      `(logits (B, T, V), weights (num_layers, B, H, T, T))`.
-    """
-    captured = []
-
-    def interceptor(next_fun, args, kwargs, context):
-        if not (isinstance(context.module, MultiHeadAttention) and context.method_name == "__call__"):
-            return next_fun(*args, **kwargs)
-        out, weights = next_fun(*args, **{**kwargs, "return_weights": True})
-        captured.append(weights)
-        return (out, weights) if kwargs.get("return_weights") else out
-
-    with nn.intercept_methods(interceptor):
-        logits = logits_fn(tokens)
-    return logits, jnp.stack(captured)
 
 
 # The copy task's name for the same network (its checkpoints and analyses use it).

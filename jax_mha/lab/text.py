@@ -196,7 +196,7 @@ def induction_metrics(config: TextTaskConfig, logits_fn, logits: jax.Array, batc
       loss, nats), `second_copy_loss_P`; plus `prefix_matching_chance` (uniform attention's score).
     """
     from jax_mha.lab import head_types
-    from jax_mha.lab.models import logits_and_attention_weights
+    from jax_mha.lab.head_types import logits_and_attention_weights
 
     t = logits.shape[1]
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
