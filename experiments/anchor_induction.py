@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 
 from experiments import common, common_anchors
-from experiments.common import save_figure, write_atomic, write_json
+from experiments.common import save_figure, write_json
 from jax_mha.lab import head_types
 from jax_mha.lab.data import RepeatTaskConfig, task_to_dict
 from jax_mha.lab.models import ModelConfig
@@ -117,11 +117,6 @@ def parse(argv):
     return args, cfg
 
 
-def first_step(steps, values, threshold: float) -> int | None:
-    """The first evaluation step whose value is at or above `threshold`, else None."""
-    hit = np.flatnonzero(np.asarray(values) >= threshold)
-    return int(steps[hit[0]]) if hit.size else None
-
 
 def train_depth(layers: int, cfg: AnchorConfig, progress: bool) -> dict:
     """All seeds of one depth; the curves per seed and the values the page reports."""
@@ -142,8 +137,8 @@ def train_depth(layers: int, cfg: AnchorConfig, progress: bool) -> dict:
                      "final_loss": float(ev["loss"][i, -1]), "final_accuracy": float(ev["token_accuracy"][i, -1]),
                      "max_prefix_matching": float(final.max()),
                      "best_head": [int(x) for x in np.unravel_index(final.argmax(), final.shape)],
-                     "formation_step": first_step(steps, best, cfg.threshold),
-                     "half_accuracy_step": first_step(steps, ev["token_accuracy"][i], 0.5),
+                     "formation_step": common_anchors.first_step(steps, best, cfg.threshold),
+                     "half_accuracy_step": common_anchors.first_step(steps, ev["token_accuracy"][i], 0.5),
                      "final_copying": float(ev["copying"][i, -1])})
     return {"layers": layers, "eval_step": steps, "wall_seconds": result.wall_seconds,
             "train_seconds": result.train_seconds, "runs": runs}
@@ -194,30 +189,6 @@ def plot(results: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
-def _saved(path: Path, config: dict) -> dict:
-    """What `path` holds from the same configuration ({} if nothing): its finished depths
-    are skipped by a rerun, its metadata (the first session's) kept. SystemExit naming the
-    file when it holds another configuration."""
-    if not path.exists():
-        return {}
-    saved = common.read_results(path, lambda d: None if isinstance(d, dict) and "arms" in d else "it has no arms")
-    if saved.get("config") != config:
-        raise SystemExit(f"error: {path} holds runs of another configuration; pass another --out or delete it")
-    return saved
-
-
-def finish(results: dict, args) -> None:
-    """The artifact, summary and figure from complete results (also `--replot`)."""
-    data = artifact(results)
-    text = common_anchors.summary(data)
-    write_json(args.out / "artifact.json", data)
-    write_atomic(args.out / "summary.md", text)
-    plot(results, args.out / f"anchor_{NAME}.png")
-    if args.artifact is not None:
-        write_json(args.artifact, data)
-        beside = args.artifact.parent.parent if args.artifact.parent.name == "data" else args.artifact.parent
-        plot(results, beside / f"anchor_{NAME}.png")  # docs/results/data/x.json: the figure beside the page
-    print("\n" + text)
 
 
 def main(argv=None) -> dict:
@@ -226,13 +197,13 @@ def main(argv=None) -> dict:
     common.use_agg_backend()
     if args.replot:
         results = json.loads((args.out / "results.json").read_text())
-        finish(results, args)
+        common_anchors.finish(results, args, NAME, artifact, plot)
         return results
     # The depths are the variable, not part of the configuration: a rerun may add depths to the folder.
     config = json.loads(json.dumps({"task": task_to_dict(cfg.task), "model": dataclasses.asdict(cfg.model),
                                     "train": dataclasses.asdict(cfg.train), "num_seeds": cfg.num_seeds,
                                     "threshold": cfg.threshold}))
-    saved, metadata = _saved(args.out / "results.json", config), common.run_metadata()
+    saved, metadata = common.saved_results(args.out / "results.json", config, "arms"), common.run_metadata()
     results = {"config": config, "metadata": saved.get("metadata", metadata), "probe_repeat": cfg.task.probe_repeat,
                "chance": head_types.prefix_matching_chance(cfg.task.probe_repeat),
                "arms": saved.get("arms", {})}
@@ -251,7 +222,7 @@ def main(argv=None) -> dict:
             saved_text = f"depths {done} are saved in {args.out}/results.json" if done else "no depth had finished"
             raise common.Interrupted(saved_text) from None
         write_json(args.out / "results.json", results)
-    finish(results, args)
+    common_anchors.finish(results, args, NAME, artifact, plot)
     return results
 
 

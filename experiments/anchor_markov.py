@@ -31,7 +31,7 @@ from typing import Callable
 import numpy as np
 
 from experiments import common, common_anchors
-from experiments.common import save_figure, write_atomic, write_json
+from experiments.common import save_figure, write_json
 from jax_mha.lab.data import MarkovTaskConfig, in_context_strategies, sample_markov_chains, task_to_dict
 from jax_mha.lab.models import ModelConfig
 from jax_mha.lab.train import TrainConfig, train_seeds
@@ -209,29 +209,6 @@ def plot(results: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
-def _saved(path: Path, config: dict) -> dict:
-    """What `path` holds from the same configuration ({} if nothing): its finished depths
-    are skipped by a rerun, its metadata (the first session's) kept. SystemExit naming the
-    file when it holds another configuration."""
-    if not path.exists():
-        return {}
-    saved = common.read_results(path, lambda d: None if isinstance(d, dict) and "arms" in d else "it has no arms")
-    if saved.get("config") != config:
-        raise SystemExit(f"error: {path} holds runs of another configuration; pass another --out or delete it")
-    return saved
-
-
-def finish(results: dict, args) -> None:
-    data = artifact(results)
-    text = common_anchors.summary(data)
-    write_json(args.out / "artifact.json", data)
-    write_atomic(args.out / "summary.md", text)
-    plot(results, args.out / f"anchor_{NAME}.png")
-    if args.artifact is not None:
-        write_json(args.artifact, data)
-        beside = args.artifact.parent.parent if args.artifact.parent.name == "data" else args.artifact.parent
-        plot(results, beside / f"anchor_{NAME}.png")  # docs/results/data/x.json: the figure beside the page
-    print("\n" + text)
 
 
 def references(cfg: AnchorConfig) -> tuple[dict, dict]:
@@ -251,13 +228,13 @@ def main(argv=None) -> dict:
     common.use_agg_backend()
     if args.replot:
         results = json.loads((args.out / "results.json").read_text())
-        finish(results, args)
+        common_anchors.finish(results, args, NAME, artifact, plot)
         return results
     # The depths are the variable, not part of the configuration: a rerun may add depths to the folder.
     config = json.loads(json.dumps({"task": task_to_dict(cfg.task), "model": dataclasses.asdict(cfg.model),
                                     "train": dataclasses.asdict(cfg.train), "num_seeds": cfg.num_seeds}))
     ours, paper = references(cfg)
-    saved, metadata = _saved(args.out / "results.json", config), common.run_metadata()
+    saved, metadata = common.saved_results(args.out / "results.json", config, "arms"), common.run_metadata()
     results = {"config": config, "metadata": saved.get("metadata", metadata), "reference": ours, "paper_setting": paper,
                "arms": saved.get("arms", {})}
     if saved:  # a resumed run: each later session's machine and load, beside the first's
@@ -276,7 +253,7 @@ def main(argv=None) -> dict:
             saved_text = f"depths {done} are saved in {args.out}/results.json" if done else "no depth had finished"
             raise common.Interrupted(saved_text) from None
         write_json(args.out / "results.json", results)
-    finish(results, args)
+    common_anchors.finish(results, args, NAME, artifact, plot)
     return results
 
 

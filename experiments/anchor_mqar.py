@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 
 from experiments import common, common_anchors
-from experiments.common import save_figure, write_atomic, write_json
+from experiments.common import save_figure, write_json
 from jax_mha.lab.data import RecallTaskConfig, task_to_dict
 from jax_mha.lab.models import ModelConfig
 from jax_mha.lab.train import TrainConfig, train_seeds
@@ -130,11 +130,6 @@ def value_mode_accuracy(task: RecallTaskConfig, rows: int = 4096, seed: int = 0)
     return float((np.take_along_axis(modes, targets, axis=1) / modes.sum(-1, keepdims=True)).mean())
 
 
-def first_step(steps, values, threshold: float) -> int | None:
-    """The first evaluation step whose value is at or above `threshold`, else None."""
-    hit = np.flatnonzero(np.asarray(values) >= threshold)
-    return int(steps[hit[0]]) if hit.size else None
-
 
 def train_width(width: int, cfg: AnchorConfig, progress: bool) -> dict:
     model = dataclasses.replace(cfg.model, d_model=width)
@@ -146,7 +141,7 @@ def train_width(width: int, cfg: AnchorConfig, progress: bool) -> dict:
     ev, steps = result.evals, result.evals["step"]
     runs = [{"seed": seed, "eval_loss": ev["loss"][i], "recall_accuracy": ev["recall_accuracy"][i],
              "final_accuracy": float(ev["recall_accuracy"][i, -1]), "final_loss": float(ev["loss"][i, -1]),
-             "solve_step": first_step(steps, ev["recall_accuracy"][i], cfg.solved_accuracy)}
+             "solve_step": common_anchors.first_step(steps, ev["recall_accuracy"][i], cfg.solved_accuracy)}
             for i, seed in enumerate(result.seeds)]
     return {"d_model": width, "eval_step": steps, "wall_seconds": result.wall_seconds,
             "train_seconds": result.train_seconds, "runs": runs}
@@ -202,29 +197,6 @@ def plot(results: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
-def _saved(path: Path, config: dict) -> dict:
-    """What `path` holds from the same configuration ({} if nothing): its finished widths
-    are skipped by a rerun, its metadata (the first session's) kept. SystemExit naming the
-    file when it holds another configuration."""
-    if not path.exists():
-        return {}
-    saved = common.read_results(path, lambda d: None if isinstance(d, dict) and "arms" in d else "it has no arms")
-    if saved.get("config") != config:
-        raise SystemExit(f"error: {path} holds runs of another configuration; pass another --out or delete it")
-    return saved
-
-
-def finish(results: dict, args) -> None:
-    data = artifact(results)
-    text = common_anchors.summary(data)
-    write_json(args.out / "artifact.json", data)
-    write_atomic(args.out / "summary.md", text)
-    plot(results, args.out / f"anchor_{NAME}.png")
-    if args.artifact is not None:
-        write_json(args.artifact, data)
-        beside = args.artifact.parent.parent if args.artifact.parent.name == "data" else args.artifact.parent
-        plot(results, beside / f"anchor_{NAME}.png")  # docs/results/data/x.json: the figure beside the page
-    print("\n" + text)
 
 
 def main(argv=None) -> dict:
@@ -233,13 +205,13 @@ def main(argv=None) -> dict:
     common.use_agg_backend()
     if args.replot:
         results = json.loads((args.out / "results.json").read_text())
-        finish(results, args)
+        common_anchors.finish(results, args, NAME, artifact, plot)
         return results
     config = json.loads(json.dumps({"task": task_to_dict(cfg.task), "model": dataclasses.asdict(cfg.model),
                                     "train": dataclasses.asdict(cfg.train), "num_seeds": cfg.num_seeds,
                                     "solved_accuracy": cfg.solved_accuracy}))
     del config["model"]["d_model"]  # the variable: a rerun may add widths to the same folder
-    saved, metadata = _saved(args.out / "results.json", config), common.run_metadata()
+    saved, metadata = common.saved_results(args.out / "results.json", config, "arms"), common.run_metadata()
     results = {"config": config, "metadata": saved.get("metadata", metadata), "seq_len": cfg.task.seq_len,
                "reference": {"chance": 1.0 / cfg.task.num_values, "rows": cfg.reference_rows,
                              "value_mode": value_mode_accuracy(cfg.task, cfg.reference_rows)},
@@ -259,7 +231,7 @@ def main(argv=None) -> dict:
             saved_text = f"widths {done} are saved in {args.out}/results.json" if done else "no width had finished"
             raise common.Interrupted(saved_text) from None
         write_json(args.out / "results.json", results)
-    finish(results, args)
+    common_anchors.finish(results, args, NAME, artifact, plot)
     return results
 
 

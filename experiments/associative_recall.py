@@ -375,12 +375,7 @@ def plot(results: dict, out: Path) -> None:
 def _finished(path: Path, config: dict) -> dict:
     """The head counts `path` already holds from the same configuration (a rerun resumes
     where it stopped); SystemExit naming the file when it holds another configuration."""
-    if not path.exists():
-        return {}
-    saved = common.read_results(path, lambda d: None if isinstance(d, dict) and "heads" in d else "it has no heads")
-    if saved.get("config") != config:
-        raise SystemExit(f"error: {path} holds runs of another configuration; pass another --out or delete it")
-    return saved["heads"]
+    return common.saved_results(path, config, "heads").get("heads", {})
 
 
 def main(argv=None) -> dict:

@@ -484,6 +484,19 @@ def write_json(path: str | os.PathLike, data: Any) -> None:
     write_atomic(path, json.dumps(to_jsonable(data), indent=2) + "\n")
 
 
+def saved_results(path: Path, config: dict, key: str) -> dict:
+    """What `path` (a study's results.json) holds from the same `config` ({} if nothing):
+    the records under `key` it finished are skipped by a rerun, and its metadata (the
+    first session's) kept. SystemExit naming the file when it holds another
+    configuration, or is damaged."""
+    if not path.exists():
+        return {}
+    saved = read_results(path, lambda d: None if isinstance(d, dict) and key in d else f"it has no {key}")
+    if saved.get("config") != config:
+        raise SystemExit(f"error: {path} holds runs of another configuration; pass another --out or delete it")
+    return saved
+
+
 class DamagedResults(SystemExit):
     """A results file that cannot be used; its message is the one line to print."""
 

@@ -19,7 +19,10 @@ text says so.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from experiments.common_tables import DASH, interval, num, table
 from jax_mha.lab import stats
@@ -337,3 +340,27 @@ def summary(data: dict) -> str:
     """Every block of an artifact, one after another (what a study prints at the end)."""
     return "\n\n".join(render(data, block) for block in RENDERERS[data["kind"]]) + "\n"
 
+
+def first_step(steps, values, threshold: float) -> int | None:
+    """The first evaluation step whose value is at or above `threshold`, else None."""
+    hit = np.flatnonzero(np.asarray(values) >= threshold)
+    return int(steps[hit[0]]) if hit.size else None
+
+
+def finish(results: dict, args, name: str, artifact: Callable[[dict], dict],
+           plot: Callable[[dict, Path], None]) -> None:
+    """An anchor's artifact, summary and figure from its complete results (also
+    `--replot`); with `args.artifact`, the artifact there too and the figure beside the
+    page (docs/results/data/x.json: docs/results/anchor_<name>.png)."""
+    from experiments.common import write_atomic, write_json
+
+    data = artifact(results)
+    text = summary(data)
+    write_json(args.out / "artifact.json", data)
+    write_atomic(args.out / "summary.md", text)
+    plot(results, args.out / f"anchor_{name}.png")
+    if args.artifact is not None:
+        write_json(args.artifact, data)
+        beside = args.artifact.parent.parent if args.artifact.parent.name == "data" else args.artifact.parent
+        plot(results, beside / f"anchor_{name}.png")
+    print("\n" + text)
