@@ -69,11 +69,13 @@ PRESETS = {
 
 
 def paths_for(platform: str, dtype: str = "float32") -> list[str]:
-    """The jax_mha paths compiled natively on `platform` (interpret mode excluded).
+    """The jax_mha paths compiled natively on `platform` (interpret mode excluded; the
+    Hopper kernel `"pallas_mgpu"` takes float16 only, so in bfloat16 it is recorded as
+    refused, with its reason).
     `"xla"` only for float32: in half precision it runs the blockwise engine with the
     same blocks as `"blockwise"`."""
     paths = (["xla"] if dtype == "float32" else []) + ["blockwise"]
-    return paths + {"gpu": ["cudnn", "pallas_gpu"], "tpu": ["pallas_tpu"]}.get(platform, [])
+    return paths + {"gpu": ["cudnn", "pallas_gpu", "pallas_mgpu"], "tpu": ["pallas_tpu"]}.get(platform, [])
 
 
 def visible_pairs(n: int, mask: str) -> int:

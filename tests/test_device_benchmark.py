@@ -59,7 +59,7 @@ def test_peak_by_device_kind(kind, peak):
 
 def test_paths_per_platform_never_time_interpret_mode():
     assert bench.paths_for("cpu") == ["xla", "blockwise"] and bench.paths_for("cpu", "bfloat16") == ["blockwise"]
-    assert bench.paths_for("gpu", "bfloat16") == ["blockwise", "cudnn", "pallas_gpu"]
+    assert bench.paths_for("gpu", "bfloat16") == ["blockwise", "cudnn", "pallas_gpu", "pallas_mgpu"]
     assert bench.paths_for("tpu") == ["xla", "blockwise", "pallas_tpu"]
     assert "jax.nn:cudnn" in bench.implementations("gpu", "bfloat16")
     assert "jax.nn:cudnn" not in bench.implementations("tpu", "bfloat16")
@@ -80,8 +80,10 @@ def test_a_failing_path_is_recorded_and_the_run_goes_on(monkeypatch):
     grid = bench.Grid(seq=(64,), head_dim=(64,), batch=(1,), heads=(2,), masks=("causal",), repeats=1, budget=None)
     result = bench.run(grid, None)
     cells = {row["impl"]: row["forward"] for row in result["rows"]}
-    assert set(cells) == {"jax_mha:blockwise", "jax_mha:cudnn", "jax_mha:pallas_gpu", "jax.nn:cudnn", "jax.nn:xla"}
+    assert set(cells) == {"jax_mha:blockwise", "jax_mha:cudnn", "jax_mha:pallas_gpu", "jax_mha:pallas_mgpu",
+                          "jax.nn:cudnn", "jax.nn:xla"}
     assert "error" in cells["jax_mha:cudnn"] and "error" in cells["jax.nn:cudnn"], cells
+    assert "float16" in cells["jax_mha:pallas_mgpu"]["refused"], cells  # bfloat16: the Hopper kernel says why
     assert cells["jax_mha:blockwise"]["ms"] > 0 and cells["jax.nn:xla"]["ms"] > 0
     assert result["auto"][0]["chosen"] == "cudnn" and result["peak_bf16_tflops"] is None
 
