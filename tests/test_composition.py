@@ -32,7 +32,7 @@ FEATURES = ("causal", "window", "q_lengths", "kv_lengths", "segments", "mask", "
             "soft_cap", "gqa", "uniform_rows", "dropout", "sinks", "residual")
 PATHS = ("xla", "weights", "blockwise", "pallas_tpu", "pallas_gpu", "decode")
 TRANSFORMS = ("jit", "vmap", "grad", "jvp")
-DRAWN = 64  # cells in the default (CI) draw
+DRAWN = 40  # cells in the default (CI) draw
 RING_DRAWN = 8  # ring cells in the default draw (one subprocess with 4 host devices runs them)
 RING_DEVICES, RING_N = 4, 16  # N a multiple of P² (the striped causal layout)
 RATE = 0.3
