@@ -2,11 +2,11 @@
 
 A results page marks each generated block with two comments,
 
-    <!-- report: lm_standard#table -->
+    <!-- report: lm_quick#table -->
     ...the table, as this module renders it...
     <!-- /report -->
 
-naming a data file (`docs/results/data/lm_standard.json`) and one of the blocks its
+naming a data file (`docs/results/data/lm_quick.json`) and one of the blocks its
 kind renders. The data files hold per-seed values (small: no curves, no weights), so
 every mean, spread, interval and p value on a page is computed here, by committed code:
 
@@ -21,13 +21,14 @@ updates the page. Kinds (rendered by `experiments.common_tables`, which the stud
 also print their summaries with):
 
 - `lm_sweep`: a head-count sweep of the character LM (`experiments.head_ablation --task
-  lm`): per h, per-seed held-out bpc (and gap, characters, wall time, throughput).
-  Blocks `table` and `comparisons` (seed-paired, Holm-adjusted over the family).
+  lm`): per h, per-seed held-out bpc (and gap, characters, wall time, throughput), the
+  peak rate and per model its induction evidence. Blocks `table`, `comparisons`
+  (seed-paired, Holm-adjusted over the family), `rates` and `induction`.
 - `recall`: associative recall (`experiments.associative_recall`): per h, per-seed area
   under the loss curve and final accuracy; blocks `reference`, `table`, `comparisons`.
 - `lm_pruning`: per-seed pruning records (`experiments.head_pruning --task lm`);
   blocks `table`, `spearman`, `induction`.
-- `ngram`: the n-gram baselines of a split; block `table`.
+- `ngram`: the n-gram baselines of the dev and test splits (`experiments.ngram_lines`); block `table`.
 - `lr_grid`: a learning-rate grid per head count (`experiments.lm_sizing`, or
   `experiments.associative_recall --eval-on dev` runs merged): per (h, lr) cell the
   per-seed values of the selection metric on the dev set; block `table` (the chosen
