@@ -38,7 +38,6 @@ from jax_mha.lab.train import TrainConfig, train_seeds
 
 MODULE = "experiments.anchor_markov"
 NAME = "markov"
-DOCS = common.CHECKOUT / "docs" / "results"
 STRATEGIES = ("uniform", "unigram", "bigram")
 
 
@@ -84,37 +83,8 @@ def tiny() -> AnchorConfig:
 PRESETS: dict[str, Callable[[], AnchorConfig]] = {"standard": standard, "tiny": tiny}
 
 
-def build_parser():
-    p = common.parser(MODULE, __doc__.split("\n\n")[0].replace("\n", " "))
-    p.epilog = "presets:\n" + "\n".join(f"  {n:<9} {' '.join(f.__doc__.split())}" for n, f in PRESETS.items())
-    p.add_argument("--preset", choices=sorted(PRESETS), default="standard", help="configuration (default standard)")
-    p.add_argument("--layers", type=common.positive_int, nargs="+", help="depths (default 1 2)")
-    p.add_argument("--seeds", type=common.positive_int, help="seeds per depth")
-    p.add_argument("--steps", type=common.positive_int, help="optimizer steps (a multiple of the evaluation interval)")
-    p.add_argument("--out", type=Path, help="output folder (default results/anchors/markov[-<preset>])")
-    p.add_argument("--artifact", type=Path, help="also write the artifact here (default for the standard preset: "
-                   "docs/results/data/anchor_markov.json, the figure beside the page)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--replot", action="store_true", help="redo the artifact, summary and figure from --out's results.json")
-    return p
-
-
 def parse(argv):
-    p = build_parser()
-    args = p.parse_args(argv)
-
-    def build():
-        cfg = PRESETS[args.preset]()
-        train = cfg.train if args.steps is None else dataclasses.replace(cfg.train, num_steps=args.steps)
-        return dataclasses.replace(cfg, train=train, num_seeds=args.seeds or cfg.num_seeds,
-                                   layers=tuple(args.layers) if args.layers else cfg.layers)
-
-    cfg = common.build_or_exit(p, build)
-    suffix = "" if args.preset == "standard" else f"-{args.preset}"
-    args.out = args.out or Path("results") / "anchors" / f"{NAME}{suffix}"
-    if args.artifact is None and args.preset == "standard":
-        args.artifact = DOCS / "data" / f"anchor_{NAME}.json"
-    return args, cfg
+    return common_anchors.parse(argv, MODULE, __doc__, NAME, PRESETS, "layers", "depths (default 1 2)", "depth")
 
 
 def strategy_losses(task: MarkovTaskConfig, key, rows: int) -> dict[str, float]:

@@ -364,3 +364,39 @@ def finish(results: dict, args, name: str, artifact: Callable[[dict], dict],
         beside = args.artifact.parent.parent if args.artifact.parent.name == "data" else args.artifact.parent
         plot(results, beside / f"anchor_{name}.png")
     print("\n" + text)
+
+
+def parse(argv, module: str, doc: str, name: str, presets: dict, sweep: str, sweep_help: str, seeds_per: str):
+    """An anchor's command line: `(args, config)`. `sweep` is the config field the anchor
+    varies (`layers`, `widths`), given as `--<sweep>`; the standard preset also writes
+    its artifact to docs/results/data/anchor_<name>.json (the figure beside the page).
+    A bad value ends in one argparse `error:` line (exit 2)."""
+    import dataclasses
+
+    from experiments import common
+
+    p = common.parser(module, doc.split("\n\n")[0].replace("\n", " "))
+    p.epilog = "presets:\n" + "\n".join(f"  {n:<9} {' '.join(f.__doc__.split())}" for n, f in presets.items())
+    p.add_argument("--preset", choices=sorted(presets), default="standard", help="configuration (default standard)")
+    p.add_argument(f"--{sweep}", type=common.positive_int, nargs="+", help=sweep_help)
+    p.add_argument("--seeds", type=common.positive_int, help=f"seeds per {seeds_per}")
+    p.add_argument("--steps", type=common.positive_int, help="optimizer steps (a multiple of the evaluation interval)")
+    p.add_argument("--out", type=Path, help=f"output folder (default results/anchors/{name}[-<preset>])")
+    p.add_argument("--artifact", type=Path, help="also write the artifact here (default for the standard preset: "
+                   f"docs/results/data/anchor_{name}.json, the figure beside the page)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--replot", action="store_true", help="redo the artifact, summary and figure from --out's results.json")
+    args = p.parse_args(argv)
+
+    def build():
+        cfg = presets[args.preset]()
+        train = cfg.train if args.steps is None else dataclasses.replace(cfg.train, num_steps=args.steps)
+        swept = getattr(args, sweep)
+        return dataclasses.replace(cfg, train=train, num_seeds=args.seeds or cfg.num_seeds,
+                                   **{sweep: tuple(swept) if swept else getattr(cfg, sweep)})
+
+    cfg = common.build_or_exit(p, build)
+    args.out = args.out or Path("results") / "anchors" / (name if args.preset == "standard" else f"{name}-{args.preset}")
+    if args.artifact is None and args.preset == "standard":
+        args.artifact = common.CHECKOUT / "docs" / "results" / "data" / f"anchor_{name}.json"
+    return args, cfg
