@@ -10,6 +10,7 @@ over by `shard_map` (a Pallas kernel cannot be partitioned automatically).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -198,3 +199,30 @@ def _cut(ids, lengths, batch: tuple, sentinel):
         return ids
     cut = jnp.broadcast_to(lengths.reshape(lengths.shape[:-3]), batch).reshape(-1, 1)  # (b, 1)
     return jnp.where(jnp.arange(ids.shape[1], dtype=jnp.int32)[None] < cut, ids, sentinel)
+
+
+def decode_router(decode_refusal, fallback, decode, platform: str, engine_backward):
+    """`(refusal, run)` of a kernel path whose one-query decoding steps go to a decode
+    kernel and every other call to `fallback` (a module with `refusal` and `run`):
+    `decode_refusal(vis, call)` says when the decode kernel cannot take a call, and
+    `decode(q, k, v, vis, *, scale, interpret)` runs it, and its gradients are
+    `engine_backward(kernel, scale)`'s (`_pallas_mgpu.engine_backward`: the blockwise
+    engine's)."""
+
+    def refusal(vis: _masking.Visibility, call: _masking.Call) -> str | None:
+        """Why neither the decode kernel nor the path's main kernel can run this call
+        (the main kernel's line), or None."""
+        return None if decode_refusal(vis, call) is None else fallback.refusal(vis, call)
+
+    def run(q, k, v, vis: _masking.Visibility, *, scale: float, interpret: bool) -> jax.Array:
+        """q `(B…, H, N, D)`, k `(B…, K, S, D)`, v `(B…, K, S, Dv)` (finite) under `vis`,
+        for which `refusal` returned None: on the decode kernel when it takes the call,
+        else on the main kernel. Returns out `(B…, H, N, Dv)` in q's dtype; rows with no
+        visible key hold anything finite (the dispatcher fills them)."""
+        call = _masking.Call(q, k, v, platform="cpu" if interpret else platform)
+        if decode_refusal(vis, call) is not None:
+            return fallback.run(q, k, v, vis, scale=scale, interpret=interpret)
+        kernel = functools.partial(decode, scale=float(scale), interpret=bool(interpret))
+        return engine_backward(kernel, scale)(q, k, v, vis)
+
+    return refusal, run

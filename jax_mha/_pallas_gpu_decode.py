@@ -30,14 +30,13 @@ per-chunk partial outputs are stored in the input dtype before they are merged.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
 from jax_mha import _masking, _pallas_gpu
-from jax_mha._pallas_common import common_refusal, flat_batch, next_pow2
+from jax_mha._pallas_common import common_refusal, decode_router, flat_batch, next_pow2
 from jax_mha._pallas_mgpu import engine_backward
 
 NAME = "implementation='pallas_gpu'"
@@ -70,28 +69,6 @@ def decode_refusal(vis: _masking.Visibility, call: _masking.Call) -> str | None:
     return None
 
 
-def refusal(vis: _masking.Visibility, call: _masking.Call) -> str | None:
-    """Why neither the decode kernel nor the FlashAttention kernel can run this call
-    (`_pallas_gpu.refusal`'s line), or None."""
-    if decode_refusal(vis, call) is None:
-        return None
-    return _pallas_gpu.refusal(vis, call)
-
-
-def run(q, k, v, vis: _masking.Visibility, *, scale: float, interpret: bool) -> jax.Array:
-    """q `(B…, H, N, D)`, k `(B…, K, S, D)`, v `(B…, K, S, Dv)` (finite) under `vis`,
-    for which `refusal` returned None: on the decode kernel when it takes the call,
-    else `_pallas_gpu.run`.
-
-    Returns:
-      out `(B…, H, N, Dv)` in q's dtype; rows with no visible key hold anything finite
-      (the dispatcher fills them).
-    """
-    call = _masking.Call(q, k, v, platform="cpu" if interpret else "gpu")
-    if decode_refusal(vis, call) is not None:
-        return _pallas_gpu.run(q, k, v, vis, scale=scale, interpret=interpret)
-    kernel = functools.partial(_decode, scale=float(scale), interpret=bool(interpret))
-    return engine_backward(kernel, scale)(q, k, v, vis)
 
 
 def visible_interval(vis: _masking.Visibility, batch: tuple):
@@ -127,3 +104,8 @@ def _decode(q, k, v, vis, *, scale: float, interpret: bool):
                                    start, stop, sm_scale=scale, block_k=min(MAX_BLOCK_K, split), k_splits=splits,
                                    interpret=interpret)  # (b, H, width)
     return out[..., :dv].reshape(batch + (h, 1, dv)).astype(q.dtype)
+
+
+# The path's `refusal` and `run`: decoding steps on the decode kernel, every other call
+# (and every refused step) on `_pallas_gpu`.
+refusal, run = decode_router(decode_refusal, _pallas_gpu, _decode, "gpu", engine_backward)

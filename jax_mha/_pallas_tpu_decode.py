@@ -37,13 +37,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
 from jax_mha import _masking, _pallas_tpu
-from jax_mha._pallas_common import common_refusal, flat_batch, is_traced, kernel_mesh, round_up
+from jax_mha._pallas_common import common_refusal, decode_router, flat_batch, is_traced, kernel_mesh, round_up
 from jax_mha._pallas_gpu_decode import visible_interval
 from jax_mha._pallas_mgpu import engine_backward
 
@@ -89,28 +88,6 @@ def decode_refusal(vis: _masking.Visibility, call: _masking.Call) -> str | None:
     return None
 
 
-def refusal(vis: _masking.Visibility, call: _masking.Call) -> str | None:
-    """Why neither the paged kernel nor splash attention can run this call
-    (`_pallas_tpu.refusal`'s line), or None."""
-    if decode_refusal(vis, call) is None:
-        return None
-    return _pallas_tpu.refusal(vis, call)
-
-
-def run(q, k, v, vis: _masking.Visibility, *, scale: float, interpret: bool) -> jax.Array:
-    """q `(B…, H, N, D)`, k `(B…, K, S, D)`, v `(B…, K, S, Dv)` (finite) under `vis`,
-    for which `refusal` returned None: on the paged kernel when it takes the call,
-    else `_pallas_tpu.run`.
-
-    Returns:
-      out `(B…, H, N, Dv)` in q's dtype; rows with no visible key hold anything finite
-      (the dispatcher fills them).
-    """
-    call = _masking.Call(q, k, v, platform="cpu" if interpret else "tpu")
-    if decode_refusal(vis, call) is not None:
-        return _pallas_tpu.run(q, k, v, vis, scale=scale, interpret=interpret)
-    kernel = functools.partial(_decode, scale=float(scale), interpret=bool(interpret))
-    return engine_backward(kernel, scale)(q, k, v, vis)
 
 
 def paged(x, page_size: int, count: int):
@@ -143,3 +120,7 @@ def _decode(q, k, v, vis, *, scale: float, interpret: bool):
                               attn_logits_soft_cap=vis.logits_soft_cap, pages_per_compute_block=per_block)
     return out.reshape(batch + (h, 1, d)).astype(q.dtype)
 
+
+# The path's `refusal` and `run`: decoding steps on the decode kernel, every other call
+# (and every refused step) on `_pallas_tpu`.
+refusal, run = decode_router(decode_refusal, _pallas_tpu, _decode, "tpu", engine_backward)
