@@ -226,3 +226,13 @@ def decode_router(decode_refusal, fallback, decode, platform: str, engine_backwa
         return engine_backward(kernel, scale)(q, k, v, vis)
 
     return refusal, run
+
+
+def causal_past_last_key(vis: _masking.Visibility, name: str, use: str) -> str | None:
+    """The refusal of a kernel that places queries on the keys' axis (causal by front
+    padding) when `vis.offset` puts causal queries past the last key, else None."""
+    n, s, offset = vis.n, vis.s, static_int(vis.offset)
+    if vis.is_causal and -offset < n and n + offset > s:
+        return (f"{name} places queries on the keys' axis: q_offset={offset} puts causal queries past the last key "
+                f"(N + offset = {n + offset} > S = {s}); {use}")
+    return None

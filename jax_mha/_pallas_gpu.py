@@ -52,6 +52,7 @@ import numpy as np
 
 from jax_mha import _masking
 from jax_mha._pallas_common import (
+    causal_past_last_key,
     common_refusal,
     flat_batch,
     flat_ids,
@@ -141,9 +142,9 @@ def refusal(vis: _masking.Visibility, call: _masking.Call) -> str | None:
     if n == 0 or s == 0:
         return None
     offset = static_int(vis.offset)
-    if vis.is_causal and -offset < n and n + offset > s:
-        return (f"{NAME} places queries on the keys' axis: q_offset={offset} puts causal queries past the last key "
-                f"(N + offset = {n + offset} > S = {s}); {use}")
+    past = causal_past_last_key(vis, NAME, use)
+    if past is not None:
+        return past
     return _segment_refusal(vis, layout(n, s, vis.is_causal, offset))
 
 

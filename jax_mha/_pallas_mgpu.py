@@ -62,7 +62,7 @@ import jax.numpy as jnp
 
 from jax_mha import _masking, blockwise
 from jax_mha._cudnn import this_gpu
-from jax_mha._pallas_common import common_refusal, flat_batch, round_up, static_int, without_x64
+from jax_mha._pallas_common import causal_past_last_key, common_refusal, flat_batch, round_up, static_int, without_x64
 
 NAME = "implementation='pallas_mgpu'"
 _USE = "use implementation='cudnn', 'pallas_gpu', 'xla' or 'blockwise'"
@@ -138,9 +138,9 @@ def kernel_refusal(vis: _masking.Visibility, call: _masking.Call) -> str | None:
     if n == 0 or s == 0:
         return None
     offset = static_int(vis.offset)
-    if vis.is_causal and -offset < n and n + offset > s:
-        return (f"{NAME} places queries on the keys' axis: q_offset={offset} puts causal queries past the last key "
-                f"(N + offset = {n + offset} > S = {s}); {_USE}")
+    past = causal_past_last_key(vis, NAME, _USE)
+    if past is not None:
+        return past
     lay = layout(n, s, d, vis.is_causal, offset)
     if lay.d_pad > MAX_HEAD_DIM:
         extra = f" (head_dim {d} plus the column that masks padding keys, S={s} not a multiple of 64)" * lay.pad_column
