@@ -340,6 +340,8 @@ PRESETS: dict[str, Callable[[], AblationConfig]] = {"quick": quick, "full": full
 # The quick preset's peak learning rate per head count: the best of the dev-split grid
 # in docs/results/data/lm_quick_lr_grid.json (tests/test_report.py checks they agree).
 QUICK_RATES: tuple[tuple[int, float], ...] = ((1, 5e-3), (2, 2e-2), (4, 2e-2), (8, 2e-2), (16, 1e-2))
+# The standard preset's, from its own grid (docs/results/data/lm_standard_lr_grid.json).
+STANDARD_RATES: tuple[tuple[int, float], ...] = ((1, 5e-3), (2, 5e-3), (4, 5e-3), (8, 1e-2), (16, 1e-2))
 
 
 def _lm_preset(seq_len: int, d_model: int, train: TrainConfig, track_induction: bool = False, **kw) -> AblationConfig:
@@ -364,11 +366,11 @@ def lm_quick() -> AblationConfig:
 def lm_standard() -> AblationConfig:
     """The wider preset: d_model=128, 2 layers, 128-character windows, batch 32, 800
     steps (3.3 M characters per seed), h = 1 … 16 x 3 seeds, induction evidence tracked
-    at every evaluation; one peak rate, 6e-3, for every h (no per-h grid was run at
-    this width, which docs/results/lm_heads.md states beside its numbers)."""
+    at every evaluation; each h at its own peak rate (`STANDARD_RATES`), the best of a
+    dev-split grid at this width that brackets it (docs/results/lm_heads.md §3)."""
     return _lm_preset(128, 128, TrainConfig(batch_size=32, num_steps=800, learning_rate=6e-3, warmup_steps=50,
                                             steps_per_call=50, eval_every=100, eval_size=64, early_stop=False),
-                      track_induction=True, heads=(1, 2, 4, 8, 16), num_seeds=3)
+                      track_induction=True, heads=(1, 2, 4, 8, 16), num_seeds=3, learning_rates=STANDARD_RATES)
 
 
 def lm_full() -> AblationConfig:

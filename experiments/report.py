@@ -12,7 +12,7 @@ every mean, spread, interval and p value on a page is computed here, by committe
 
     python -m experiments.report            # rewrite every block of every page from its data
     python -m experiments.report --check    # change nothing; exit 1 naming each block that disagrees
-    python -m experiments.report --merge results/head_pruning/lm-standard-seed*/artifact.json \\
+    python -m experiments.report --merge results/head_pruning/lm-quick-seed*/artifact.json \\
         -o docs/results/data/lm_pruning.json   # one file from the per-seed artifacts of a study
 
 A study writes its artifact (`artifact.json` in its output folder, the format of these

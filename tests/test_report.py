@@ -104,12 +104,16 @@ def test_lr_grid_chooses_the_best_mean_and_says_whether_it_is_bracketed(tmp_path
     assert report.merge(parts[::-1])["cells"] == sorted(GRID["cells"], key=lambda c: (c["heads"], c["lr"]))
 
 
-def test_quick_preset_rates_are_the_committed_grid_choice():
+@pytest.mark.parametrize("preset", ["quick", "standard"])
+def test_lm_preset_rates_are_the_committed_grid_choice(preset):
     from experiments import common
     from experiments.common_tables import best_rates
 
-    grid = json.loads((report.DATA / "lm_quick_lr_grid.json").read_text(encoding="utf-8"))
-    assert dict(common.QUICK_RATES) == {h: lr for h, (lr, _) in best_rates(grid).items()}
+    grid = json.loads((report.DATA / f"lm_{preset}_lr_grid.json").read_text(encoding="utf-8"))
+    chosen = best_rates(grid)
+    assert all(bracketed for _, bracketed in chosen.values())
+    assert dict(common.LM_PRESETS[preset]().learning_rates) == {h: lr for h, (lr, _) in chosen.items()}
+    assert tuple(h for h, _ in common.LM_PRESETS[preset]().learning_rates) == common.LM_PRESETS[preset]().heads
 
 
 def test_recall_standard_rates_are_the_committed_grid_choice():
