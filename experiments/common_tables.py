@@ -234,6 +234,24 @@ def lm_sweep_induction(data: dict) -> str:
                  ["r", "r", "l", "r", "r", "r", "r", "r", "r"], rows)
 
 
+HEAD_TYPES = ("induction", "previous_token", "first_token", "diffuse", "other")
+
+
+def lm_sweep_head_types(data: dict) -> str:
+    """Per head count: how many heads of all its seeds' models each type holds
+    (`jax_mha.lab.head_types`); "–" where a run was not typed."""
+    rows = []
+    for h, r in _heads(data):
+        counts = r.get("head_type_counts") or []
+        if not counts or any(c is None for c in counts):
+            rows.append([h, len(r["final_bpc"]), DASH] + [DASH] * len(HEAD_TYPES))
+            continue
+        total = [sum(c.get(kind, 0) for c in counts) for kind in HEAD_TYPES]
+        rows.append([h, len(counts), sum(total), *total])
+    return table(["heads", "models", "heads in all", *(k.replace("_", "-") for k in HEAD_TYPES)],
+                 ["r"] * (3 + len(HEAD_TYPES)), rows)
+
+
 def lm_sweep_rates(data: dict) -> str:
     """The peak learning rate each head count trained at."""
     rates = data.get("learning_rates") or {}
@@ -285,7 +303,7 @@ def lr_grid_table(data: dict) -> str:
 
 RENDERERS: dict[str, dict[str, Callable[[dict], str]]] = {
     "lm_sweep": {"table": lm_sweep_table, "comparisons": lm_sweep_comparisons, "induction": lm_sweep_induction,
-                 "rates": lm_sweep_rates},
+                 "rates": lm_sweep_rates, "head_types": lm_sweep_head_types},
     "recall": {"reference": recall_reference, "table": recall_table, "comparisons": recall_comparisons},
     "lm_pruning": {"table": lm_pruning_table, "spearman": lm_pruning_spearman, "induction": lm_pruning_induction},
     "ngram": {"table": ngram_table},

@@ -596,8 +596,9 @@ def plot_lm_results(results: dict, out: Path) -> None:
                 out / "bpc_curves.png")
     final = {int(k): [np.nan if run["final_bpc"] is None else run["final_bpc"] for run in r["runs"]]
              for k, r in results["heads"].items()}
-    save_figure(plotting.bpc_vs_heads(final, title=f"Final {held_out_name(c['task'])} bpc (whole split) vs heads\n{machine}",
-                                      fixed=fixed),
+    split = held_out_name(c["task"])
+    save_figure(plotting.bpc_vs_heads(final, title=f"Final {split} bpc (whole split) vs heads\n{machine}",
+                                      fixed=fixed, split=split),
                 out / "bpc_vs_heads.png")
     first = next(iter(results["heads"].values()))["runs"][0]["eval_curve"]
     if "icl_score" in first:
@@ -620,7 +621,8 @@ def lm_artifact(results: dict) -> dict:
         heads[key] = {"head_dim": r["head_dim"], "seeds": [run["seed"] for run in runs],
                       "final_bpc": [run.get("final_bpc") for run in runs], "gap": [gap(run) for run in runs],
                       "characters_per_seed": runs[0].get("characters_seen"), "wall_seconds": r["wall_seconds"],
-                      "tokens_per_second": r["tokens_per_second"]}
+                      "tokens_per_second": r["tokens_per_second"],
+                      "head_type_counts": [run.get("head_type_counts") for run in runs]}
     return {"kind": "lm_sweep", "split": held_out_name(results["config"]["task"]), "task": results["config"]["task"],
             "command": " ".join(["python -m", MODULE, *meta.get("argv", [])[1:]]), "machine": meta.get("cpu"),
             "commit": meta.get("commit"), "dirty": meta.get("dirty"), "heads": heads,

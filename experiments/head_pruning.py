@@ -358,7 +358,7 @@ def lm_analyse(m: common.StudyModel, args, cfg: PruningConfig) -> dict:
         base_bpc=base, max_rise=cfg.max_drop, total_heads=total, all_off_bpc=results["all_heads_off_bpc"],
         heads_prunable={ORDER_LABELS_LM[o]: r.heads_prunable for o, r in records.items()},
         title=(f"Iterative head pruning of the {shape[1]}-head character LM ({shape[0]} layers)\n"
-               f"{cfg.eval_size} test windows; {common.cpu_model()}")), args.out / "pruning_curves.png")
+               f"{cfg.eval_size} test windows; {common.cpu_model()}"), split="test"), args.out / "pruning_curves.png")
     write_json(args.out / "results.json", results)
     write_json(args.out / "artifact.json", lm_artifact(results, m))  # docs/results/data/ (experiments.report --merge)
     print(f"\nmodel: {m.source['path']} ({describe(m)}); unpruned bpc {base:.4f}, all heads off "

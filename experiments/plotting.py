@@ -410,14 +410,16 @@ def bpc_curves(curves: Mapping[int, Mapping[str, np.ndarray]], *, title: str):
     return fig
 
 
-def bpc_vs_heads(stats: Mapping[int, Sequence[float]], *, title: str, fixed: str = "d_model fixed"):
-    """Final validation bpc against the head count: every seed as a dot, mean ± std.
+def bpc_vs_heads(stats: Mapping[int, Sequence[float]], *, title: str, fixed: str = "d_model fixed",
+                 split: str = "validation"):
+    """Final held-out bpc against the head count: every seed as a dot, mean ± std.
 
     Args:
       stats: `heads -> per-seed final bpc`.
       title: the axes title.
       fixed: what stays the same across head counts, for the x label ("d_model fixed",
         or "head size 32 fixed" for a `--head-dim` sweep).
+      split: the split the bpc was measured on, for the y label ("test", "dev").
 
     Returns:
       the figure.
@@ -434,7 +436,7 @@ def bpc_vs_heads(stats: Mapping[int, Sequence[float]], *, title: str, fixed: str
     half = [t_interval(v).half_width if v.size > 1 else 0.0 for v in values]
     ax.errorbar(heads, [v.mean() for v in values], yerr=half, marker="o", capsize=5,
                 color="C0", label="mean, 95 % t interval over seeds", zorder=2)
-    ax.set(xscale="log", xlabel=f"number of heads h ({fixed})", ylabel="validation bits per character (lower is better)",
+    ax.set(xscale="log", xlabel=f"number of heads h ({fixed})", ylabel=f"{split} bits per character (lower is better)",
            title=title)
     ax.set_xticks(heads, [str(h) for h in heads])
     ax.grid(alpha=0.3)
@@ -479,8 +481,9 @@ def head_type_heatmap(scores: Mapping[str, np.ndarray], labels: np.ndarray, *, s
 def bpc_pruning_curves(
     curves: Mapping[str, tuple[np.ndarray, np.ndarray]], *, base_bpc: float, max_rise: float,
     heads_prunable: Mapping[str, int], total_heads: int, title: str, all_off_bpc: float | None = None,
+    split: str = "validation",
 ):
-    """Validation bits per character against the fraction of heads pruned.
+    """Held-out bits per character against the fraction of heads pruned.
 
     Args:
       curves: `label -> (fractions (S,), bpc (S,))`.
@@ -490,6 +493,7 @@ def bpc_pruning_curves(
       total_heads: all heads of the model.
       title: the figure title.
       all_off_bpc: bpc with every head off, drawn dotted (None: none).
+      split: the split the bpc was measured on, for the y label ("test", "dev").
 
     Returns:
       the figure.
@@ -502,7 +506,7 @@ def bpc_pruning_curves(
     _pruning_curves(ax, curves, heads_prunable, total_heads)
     if all_off_bpc is not None:
         ax.axhline(all_off_bpc, color="grey", ls=":", label=f"every head off ({all_off_bpc:.3f})")
-    ax.set(xlabel="fraction of heads pruned", ylabel="validation bits per character", title=title, xlim=(-0.02, 1.02))
+    ax.set(xlabel="fraction of heads pruned", ylabel=f"{split} bits per character", title=title, xlim=(-0.02, 1.02))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()

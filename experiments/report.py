@@ -22,8 +22,9 @@ also print their summaries with):
 
 - `lm_sweep`: a head-count sweep of the character LM (`experiments.head_ablation --task
   lm`): per h, per-seed held-out bpc (and gap, characters, wall time, throughput), the
-  peak rate and per model its induction evidence. Blocks `table`, `comparisons`
-  (seed-paired, Holm-adjusted over the family), `rates` and `induction`.
+  peak rate and per model its induction evidence and head-type counts. Blocks `table`,
+  `comparisons` (seed-paired, Holm-adjusted over the family), `rates`, `induction` and
+  `head_types`.
 - `recall`: associative recall (`experiments.associative_recall`): per h, per-seed area
   under the loss curve and final accuracy; blocks `reference`, `table`, `comparisons`.
 - `lm_pruning`: per-seed pruning records (`experiments.head_pruning --task lm`);

@@ -97,17 +97,19 @@ def test_attention_maps_and_pruning_use_the_ablation_model(workdir):
     assert row["induction"]["top"]["heads"] == [list(h) for h in arms["top"]["heads"]]
 
 
-def test_standard_preset_is_the_configuration_lm_heads_reports():
-    """docs/results/lm_heads.md's numbers were measured under the name `quick`; the
-    preset was renamed, not changed, so its fingerprint (everything that decides the
-    batches a seed reads and the schedule) must stay the measured one."""
+@pytest.mark.parametrize("preset", ["quick", "standard"])
+def test_lm_preset_is_the_configuration_its_committed_data_was_measured_with(preset):
+    """docs/results/data/lm_<preset>.json is what lm_heads.md reports: the preset must
+    still produce it (same task and split, rates, seeds and characters per seed)."""
     from experiments import common
+    from jax_mha.lab.data import task_to_dict
 
-    fp = common.lm_standard().fingerprint()
-    model, train, task = fp["model"], fp["train"], fp["task"]
-    assert (model["d_model"], model["d_ff"], model["num_layers"], task["seq_len"]) == (128, 512, 2, 128)
-    assert (train["batch_size"], train["num_steps"], train["learning_rate"], train["warmup_steps"],
-            train["steps_per_call"], train["eval_every"], train["eval_size"]) == (32, 800, 6e-3, 50, 50, 100, 64)
-    assert (fp["seed"], fp["num_seeds"], task["track_induction"], "learning_rates" in fp) == (0, 3, True, False)
-    quick = common.lm_quick()
-    assert quick.fingerprint() != fp and quick.heads == common.lm_standard().heads == (1, 2, 4, 8, 16)
+    cfg = common.LM_PRESETS[preset]()
+    data = json.loads((Path(__file__).parents[1] / "docs/results/data" / f"lm_{preset}.json").read_text("utf-8"))
+    assert data["task"] == json.loads(json.dumps(task_to_dict(cfg.task))) and data["split"] == "test"
+    assert {int(h): lr for h, lr in data["learning_rates"].items()} == {h: cfg.train_for(h).learning_rate
+                                                                         for h in cfg.heads}
+    for h in cfg.heads:
+        record = data["heads"][str(h)]
+        assert record["seeds"] == cfg.seeds and record["head_dim"] == cfg.model.d_model // h
+        assert record["characters_per_seed"] == cfg.train.num_steps * cfg.train.batch_size * cfg.task.seq_len

@@ -34,6 +34,14 @@ def test_sweep_table_is_computed_from_the_seeds():
     assert line.startswith("- h = 2 − h = 1: −0.1000 [") and f"p = {p:#.2g}, Holm p = {p:#.2g}" in line
 
 
+def test_head_type_counts_sum_over_seeds_and_an_untyped_run_is_a_dash():
+    seed = {"induction": 1, "previous_token": 2, "first_token": 0, "diffuse": 0, "other": 5}
+    data = {"kind": "lm_sweep", "heads": {"8": {"final_bpc": [2.0, 2.1], "head_type_counts": [seed, seed]},
+                                          "4": {"final_bpc": [2.0, 2.1], "head_type_counts": [seed, None]}}}
+    rows = report.render(data, "head_types").splitlines()[2:]
+    assert rows == ["| 4 | 2 | – | – | – | – | – | – |", "| 8 | 2 | 16 | 2 | 4 | 0 | 0 | 10 |"]
+
+
 def test_a_page_that_disagrees_is_named_and_regenerated(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "sweep.json").write_text(json.dumps(SWEEP), encoding="utf-8")
