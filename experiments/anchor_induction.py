@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 
 from experiments import common, common_anchors
-from experiments.common import save_figure, write_json
+from experiments.common import save_figure
 from jax_mha.lab import head_types
 from jax_mha.lab.data import RepeatTaskConfig, task_to_dict
 from jax_mha.lab.models import ModelConfig
@@ -181,17 +181,8 @@ def main(argv=None) -> dict:
         results["resumed"] = saved.get("resumed", []) + [metadata]
     print(f"anchor {NAME}: depths {cfg.layers}, {cfg.num_seeds} seeds, {cfg.train.num_steps} steps; writing to "
           f"{args.out}/", flush=True)
-    for layers in cfg.layers:
-        if str(layers) in results["arms"]:
-            print(f"{layers} layer(s): already in {args.out}/results.json", flush=True)
-            continue
-        try:
-            results["arms"][str(layers)] = train_depth(layers, cfg, not args.no_progress)
-        except KeyboardInterrupt:
-            done = sorted(results["arms"], key=int)
-            saved_text = f"depths {done} are saved in {args.out}/results.json" if done else "no depth had finished"
-            raise common.Interrupted(saved_text) from None
-        write_json(args.out / "results.json", results)
+    common_anchors.train_arms(results, cfg.layers, lambda v: train_depth(v, cfg, not args.no_progress), args.out,
+                              lambda n: f"{n} layer(s)", "depths")
     common_anchors.finish(results, args, NAME, artifact, plot)
     return results
 

@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 
 from experiments import common, common_anchors
-from experiments.common import save_figure, write_json
+from experiments.common import save_figure
 from jax_mha.lab.data import RecallTaskConfig, task_to_dict
 from jax_mha.lab.models import ModelConfig
 from jax_mha.lab.train import TrainConfig, train_seeds
@@ -190,17 +190,8 @@ def main(argv=None) -> dict:
         results["resumed"] = saved.get("resumed", []) + [metadata]
     print(f"anchor {NAME}: widths {cfg.widths}, {cfg.num_seeds} seeds, {cfg.train.num_steps} steps, T = "
           f"{cfg.task.seq_len}; writing to {args.out}/", flush=True)
-    for width in cfg.widths:
-        if str(width) in results["arms"]:
-            print(f"d_model={width}: already in {args.out}/results.json", flush=True)
-            continue
-        try:
-            results["arms"][str(width)] = train_width(width, cfg, not args.no_progress)
-        except KeyboardInterrupt:
-            done = sorted(results["arms"], key=int)
-            saved_text = f"widths {done} are saved in {args.out}/results.json" if done else "no width had finished"
-            raise common.Interrupted(saved_text) from None
-        write_json(args.out / "results.json", results)
+    common_anchors.train_arms(results, cfg.widths, lambda v: train_width(v, cfg, not args.no_progress), args.out,
+                              lambda w: f"d_model={w}", "widths")
     common_anchors.finish(results, args, NAME, artifact, plot)
     return results
 

@@ -347,6 +347,25 @@ def first_step(steps, values, threshold: float) -> int | None:
     return int(steps[hit[0]]) if hit.size else None
 
 
+def train_arms(results: dict, values: Sequence[int], train_one: Callable[[int], dict], out: Path,
+               label: Callable[[int], str], plural: str) -> None:
+    """Trains each arm (`values`: depths, widths) not yet in `results["arms"]`, saving
+    `out`/results.json after each; Ctrl-C ends in one line naming the arms saved."""
+    from experiments import common
+
+    for value in values:
+        if str(value) in results["arms"]:
+            print(f"{label(value)}: already in {out}/results.json", flush=True)
+            continue
+        try:
+            results["arms"][str(value)] = train_one(value)
+        except KeyboardInterrupt:
+            done = sorted(results["arms"], key=int)
+            saved = f"{plural} {done} are saved in {out}/results.json" if done else f"no {plural[:-1]} had finished"
+            raise common.Interrupted(saved) from None
+        common.write_json(out / "results.json", results)
+
+
 def finish(results: dict, args, name: str, artifact: Callable[[dict], dict],
            plot: Callable[[dict, Path], None]) -> None:
     """An anchor's artifact, summary and figure from its complete results (also
