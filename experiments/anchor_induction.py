@@ -23,7 +23,6 @@ docs/results/data/anchor_induction.json and the figure beside the page
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Callable
 
@@ -34,7 +33,7 @@ from experiments.common import save_figure
 from jax_mha.lab import head_types
 from jax_mha.lab.data import RepeatTaskConfig, task_to_dict
 from jax_mha.lab.models import ModelConfig
-from jax_mha.lab.train import TrainConfig, train_seeds
+from jax_mha.lab.train import TrainConfig
 
 MODULE = "experiments.anchor_induction"
 NAME = "induction"
@@ -91,11 +90,7 @@ def parse(argv):
 def train_depth(layers: int, cfg: AnchorConfig, progress: bool) -> dict:
     """All seeds of one depth; the curves per seed and the values the page reports."""
     model = dataclasses.replace(cfg.model, num_layers=layers)
-    bar = common.TrainingBar(cfg.train.num_steps, f"{layers} layer{'s' if layers > 1 else ''}", not progress)
-    try:
-        result = train_seeds(model, cfg.task, cfg.train, cfg.seeds, callback=bar)
-    finally:
-        bar.close()
+    result = common_anchors.train_arm(model, cfg, f"{layers} layer{'s' if layers > 1 else ''}", progress)
     ev, steps = result.evals, result.evals["step"]
     runs = []
     for i, seed in enumerate(result.seeds):
@@ -163,22 +158,14 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv=None) -> dict:
     args, cfg = parse(argv)
-    common.start_study()
-    common.use_agg_backend()
-    if args.replot:
-        results = json.loads((args.out / "results.json").read_text())
-        common_anchors.finish(results, args, NAME, artifact, plot)
-        return results
+    replotted = common_anchors.replot(args, NAME, artifact, plot)
+    if replotted is not None:
+        return replotted
     # The depths are the variable, not part of the configuration: a rerun may add depths to the folder.
-    config = json.loads(json.dumps({"task": task_to_dict(cfg.task), "model": dataclasses.asdict(cfg.model),
-                                    "train": dataclasses.asdict(cfg.train), "num_seeds": cfg.num_seeds,
-                                    "threshold": cfg.threshold}))
-    saved, metadata = common.saved_results(args.out / "results.json", config, "arms"), common.run_metadata()
-    results = {"config": config, "metadata": saved.get("metadata", metadata), "probe_repeat": cfg.task.probe_repeat,
-               "chance": head_types.prefix_matching_chance(cfg.task.probe_repeat),
-               "arms": saved.get("arms", {})}
-    if saved:  # a resumed run: each later session's machine and load, beside the first's
-        results["resumed"] = saved.get("resumed", []) + [metadata]
+    config = {"task": task_to_dict(cfg.task), "model": dataclasses.asdict(cfg.model),
+              "train": dataclasses.asdict(cfg.train), "num_seeds": cfg.num_seeds, "threshold": cfg.threshold}
+    results = common_anchors.begin(args, config, probe_repeat=cfg.task.probe_repeat,
+                                   chance=head_types.prefix_matching_chance(cfg.task.probe_repeat))
     print(f"anchor {NAME}: depths {cfg.layers}, {cfg.num_seeds} seeds, {cfg.train.num_steps} steps; writing to "
           f"{args.out}/", flush=True)
     common_anchors.train_arms(results, cfg.layers, lambda v: train_depth(v, cfg, not args.no_progress), args.out,

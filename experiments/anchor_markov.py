@@ -24,7 +24,6 @@ figure beside the page (docs/results/anchor_markov.png).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Callable
 
@@ -34,7 +33,7 @@ from experiments import common, common_anchors
 from experiments.common import save_figure
 from jax_mha.lab.data import MarkovTaskConfig, in_context_strategies, sample_markov_chains, task_to_dict
 from jax_mha.lab.models import ModelConfig
-from jax_mha.lab.train import TrainConfig, train_seeds
+from jax_mha.lab.train import TrainConfig
 
 MODULE = "experiments.anchor_markov"
 NAME = "markov"
@@ -114,11 +113,7 @@ def stages(steps, kls: dict[str, np.ndarray]) -> list[tuple[str, int]]:
 
 def train_depth(layers: int, cfg: AnchorConfig, progress: bool) -> dict:
     model = dataclasses.replace(cfg.model, num_layers=layers)
-    bar = common.TrainingBar(cfg.train.num_steps, f"{layers} layer{'s' if layers > 1 else ''}", not progress)
-    try:
-        result = train_seeds(model, cfg.task, cfg.train, cfg.seeds, callback=bar)
-    finally:
-        bar.close()
+    result = common_anchors.train_arm(model, cfg, f"{layers} layer{'s' if layers > 1 else ''}", progress)
     ev, steps = result.evals, result.evals["step"]
     runs = []
     for i, seed in enumerate(result.seeds):
@@ -194,21 +189,14 @@ def references(cfg: AnchorConfig) -> tuple[dict, dict]:
 
 def main(argv=None) -> dict:
     args, cfg = parse(argv)
-    common.start_study()
-    common.use_agg_backend()
-    if args.replot:
-        results = json.loads((args.out / "results.json").read_text())
-        common_anchors.finish(results, args, NAME, artifact, plot)
-        return results
+    replotted = common_anchors.replot(args, NAME, artifact, plot)
+    if replotted is not None:
+        return replotted
     # The depths are the variable, not part of the configuration: a rerun may add depths to the folder.
-    config = json.loads(json.dumps({"task": task_to_dict(cfg.task), "model": dataclasses.asdict(cfg.model),
-                                    "train": dataclasses.asdict(cfg.train), "num_seeds": cfg.num_seeds}))
+    config = {"task": task_to_dict(cfg.task), "model": dataclasses.asdict(cfg.model),
+              "train": dataclasses.asdict(cfg.train), "num_seeds": cfg.num_seeds}
     ours, paper = references(cfg)
-    saved, metadata = common.saved_results(args.out / "results.json", config, "arms"), common.run_metadata()
-    results = {"config": config, "metadata": saved.get("metadata", metadata), "reference": ours, "paper_setting": paper,
-               "arms": saved.get("arms", {})}
-    if saved:  # a resumed run: each later session's machine and load, beside the first's
-        results["resumed"] = saved.get("resumed", []) + [metadata]
+    results = common_anchors.begin(args, config, reference=ours, paper_setting=paper)
     print(f"anchor {NAME}: depths {cfg.layers}, {cfg.num_seeds} seeds, {cfg.train.num_steps} steps; strategy "
           f"losses on the held-out rows: " + ", ".join(f"{k} {v:.4f}" for k, v in ours.items() if k != "rows")
           + f"; writing to {args.out}/", flush=True)

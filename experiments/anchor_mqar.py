@@ -23,7 +23,6 @@ beside the page (docs/results/anchor_mqar.png).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Callable
 
@@ -33,7 +32,7 @@ from experiments import common, common_anchors
 from experiments.common import save_figure
 from jax_mha.lab.data import RecallTaskConfig, task_to_dict
 from jax_mha.lab.models import ModelConfig
-from jax_mha.lab.train import TrainConfig, train_seeds
+from jax_mha.lab.train import TrainConfig
 
 MODULE = "experiments.anchor_mqar"
 NAME = "mqar"
@@ -103,11 +102,7 @@ def value_mode_accuracy(task: RecallTaskConfig, rows: int = 4096, seed: int = 0)
 
 def train_width(width: int, cfg: AnchorConfig, progress: bool) -> dict:
     model = dataclasses.replace(cfg.model, d_model=width)
-    bar = common.TrainingBar(cfg.train.num_steps, f"d_model={width:>3}", not progress)
-    try:
-        result = train_seeds(model, cfg.task, cfg.train, cfg.seeds, callback=bar)
-    finally:
-        bar.close()
+    result = common_anchors.train_arm(model, cfg, f"d_model={width:>3}", progress)
     ev, steps = result.evals, result.evals["step"]
     runs = [{"seed": seed, "eval_loss": ev["loss"][i], "recall_accuracy": ev["recall_accuracy"][i],
              "final_accuracy": float(ev["recall_accuracy"][i, -1]), "final_loss": float(ev["loss"][i, -1]),
@@ -171,23 +166,15 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv=None) -> dict:
     args, cfg = parse(argv)
-    common.start_study()
-    common.use_agg_backend()
-    if args.replot:
-        results = json.loads((args.out / "results.json").read_text())
-        common_anchors.finish(results, args, NAME, artifact, plot)
-        return results
-    config = json.loads(json.dumps({"task": task_to_dict(cfg.task), "model": dataclasses.asdict(cfg.model),
-                                    "train": dataclasses.asdict(cfg.train), "num_seeds": cfg.num_seeds,
-                                    "solved_accuracy": cfg.solved_accuracy}))
+    replotted = common_anchors.replot(args, NAME, artifact, plot)
+    if replotted is not None:
+        return replotted
+    config = {"task": task_to_dict(cfg.task), "model": dataclasses.asdict(cfg.model),
+              "train": dataclasses.asdict(cfg.train), "num_seeds": cfg.num_seeds, "solved_accuracy": cfg.solved_accuracy}
     del config["model"]["d_model"]  # the variable: a rerun may add widths to the same folder
-    saved, metadata = common.saved_results(args.out / "results.json", config, "arms"), common.run_metadata()
-    results = {"config": config, "metadata": saved.get("metadata", metadata), "seq_len": cfg.task.seq_len,
-               "reference": {"chance": 1.0 / cfg.task.num_values, "rows": cfg.reference_rows,
-                             "value_mode": value_mode_accuracy(cfg.task, cfg.reference_rows)},
-               "arms": saved.get("arms", {})}
-    if saved:  # a resumed run: each later session's machine and load, beside the first's
-        results["resumed"] = saved.get("resumed", []) + [metadata]
+    results = common_anchors.begin(args, config, seq_len=cfg.task.seq_len, reference={
+        "chance": 1.0 / cfg.task.num_values, "rows": cfg.reference_rows,
+        "value_mode": value_mode_accuracy(cfg.task, cfg.reference_rows)})
     print(f"anchor {NAME}: widths {cfg.widths}, {cfg.num_seeds} seeds, {cfg.train.num_steps} steps, T = "
           f"{cfg.task.seq_len}; writing to {args.out}/", flush=True)
     common_anchors.train_arms(results, cfg.widths, lambda v: train_width(v, cfg, not args.no_progress), args.out,

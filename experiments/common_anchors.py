@@ -19,6 +19,7 @@ text says so.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from experiments.common_tables import DASH, interval, num, table
 from jax_mha.lab import stats
+from jax_mha.lab.train import train_seeds
 
 # ----------------------------------------------------------------- shared pieces
 
@@ -345,6 +347,45 @@ def first_step(steps, values, threshold: float) -> int | None:
     """The first evaluation step whose value is at or above `threshold`, else None."""
     hit = np.flatnonzero(np.asarray(values) >= threshold)
     return int(steps[hit[0]]) if hit.size else None
+
+
+def replot(args, name: str, artifact: Callable[[dict], dict], plot: Callable[[dict, Path], None]) -> dict | None:
+    """Starts an anchor's run; with `--replot`, redoes its artifact, summary and figure
+    from `--out`'s results.json and returns those results (None otherwise)."""
+    from experiments import common
+
+    common.start_study()
+    common.use_agg_backend()
+    if not args.replot:
+        return None
+    results = json.loads((args.out / "results.json").read_text())
+    finish(results, args, name, artifact, plot)
+    return results
+
+
+def begin(args, config: dict, **fields) -> dict:
+    """The results record of an anchor run: `config` (what must match for a rerun to
+    resume), the first session's metadata, `fields`, the arms `--out` already holds,
+    and under "resumed" each later session's machine and load."""
+    from experiments import common
+
+    config = json.loads(json.dumps(config))  # tuples to lists, as read back
+    saved, metadata = common.saved_results(args.out / "results.json", config, "arms"), common.run_metadata()
+    results = {"config": config, "metadata": saved.get("metadata", metadata), **fields, "arms": saved.get("arms", {})}
+    if saved:
+        results["resumed"] = saved.get("resumed", []) + [metadata]
+    return results
+
+
+def train_arm(model, cfg, label: str, progress: bool):
+    """All of `cfg.seeds` for one arm's model in one vmapped run (`train_seeds`), with a bar."""
+    from experiments import common
+
+    bar = common.TrainingBar(cfg.train.num_steps, label, not progress)
+    try:
+        return train_seeds(model, cfg.task, cfg.train, cfg.seeds, callback=bar)
+    finally:
+        bar.close()
 
 
 def train_arms(results: dict, values: Sequence[int], train_one: Callable[[int], dict], out: Path,

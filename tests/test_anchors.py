@@ -204,7 +204,7 @@ def test_mqar_anchor_tiny_resumes_without_retraining(tmp_path, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("a finished width was trained again")
 
-    monkeypatch.setattr(anchor_mqar, "train_seeds", no_training)
+    monkeypatch.setattr(common_anchors, "train_seeds", no_training)
     again = anchor_mqar.main(["--preset", "tiny", "--out", str(out), "--no-progress", "--widths", "8"])
     assert again["arms"]["8"]["runs"][0]["final_accuracy"] == accs[0]
 
