@@ -525,8 +525,8 @@ def read_results(path: Path, check: Callable[[Any], str | None]) -> Any:
 def cpu_model() -> str:
     """The CPU's marketing name, with its family and model numbers and whether it has
     AVX-512 (Linux /proc/cpuinfo), else platform.processor(). A cloud CPU's name is
-    often just "AMD EPYC", which hides a threefold difference in matmul speed between
-    generations (a Zen 3 has no AVX-512, a Zen 4 has it)."""
+    often just "AMD EPYC", which hides the generation, and with it whether the matrix
+    products have AVX-512 (a Zen 3 has none, a Zen 4 has it)."""
     try:
         info = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
