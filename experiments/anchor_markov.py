@@ -189,7 +189,7 @@ def references(cfg: AnchorConfig) -> tuple[dict, dict]:
 
 def main(argv=None) -> dict:
     args, cfg = parse(argv)
-    replotted = common_anchors.replot(args, NAME, artifact, plot)
+    replotted = common_anchors.start(args, NAME, artifact, plot)
     if replotted is not None:
         return replotted
     # The depths are the variable, not part of the configuration: a rerun may add depths to the folder.

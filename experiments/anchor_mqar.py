@@ -166,7 +166,7 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv=None) -> dict:
     args, cfg = parse(argv)
-    replotted = common_anchors.replot(args, NAME, artifact, plot)
+    replotted = common_anchors.start(args, NAME, artifact, plot)
     if replotted is not None:
         return replotted
     config = {"task": task_to_dict(cfg.task), "model": dataclasses.asdict(cfg.model),

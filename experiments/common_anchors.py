@@ -349,7 +349,7 @@ def first_step(steps, values, threshold: float) -> int | None:
     return int(steps[hit[0]]) if hit.size else None
 
 
-def replot(args, name: str, artifact: Callable[[dict], dict], plot: Callable[[dict, Path], None]) -> dict | None:
+def start(args, name: str, artifact: Callable[[dict], dict], plot: Callable[[dict, Path], None]) -> dict | None:
     """Starts an anchor's run; with `--replot`, redoes its artifact, summary and figure
     from `--out`'s results.json and returns those results (None otherwise)."""
     from experiments import common

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from jax_mha.lab import stats
+from jax_mha.lab.head_types import HEAD_TYPES
 
 DASH = "–"
 
@@ -232,9 +233,6 @@ def lm_sweep_induction(data: dict) -> str:
     return table(["heads", "seed", "best head, spans (layer, head)", "prefix matching, spans", "x chance",
                   "best, frequent", "copying, spans", "copying, frequent", "ICL score"],
                  ["r", "r", "l", "r", "r", "r", "r", "r", "r"], rows)
-
-
-HEAD_TYPES = ("induction", "previous_token", "first_token", "diffuse", "other")
 
 
 def lm_sweep_head_types(data: dict) -> str:
