@@ -173,6 +173,18 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+def _measuring(pid: int) -> list[int]:
+    """The parent's measuring children (`--child` on their command line): the parent
+    also runs short-lived helpers (git, for the run record), and a signal sent while
+    only those run arrives before any row is being measured."""
+    def is_measuring(child):
+        try:
+            return b"--child" in Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return False
+    return [c for c in _children(pid) if is_measuring(c)]
+
+
 def _gone(pid: int) -> bool:
     """Exited (a zombie waiting for a reaper counts: it runs no more)."""
     try:
@@ -189,9 +201,9 @@ def test_blockwise_memory_child_dies_with_its_parent(tmp_path, signum):
     parent = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while not _children(parent.pid) and parent.poll() is None and time.monotonic() < deadline:
+        while not _measuring(parent.pid) and parent.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        children = _children(parent.pid)
+        children = _measuring(parent.pid)
         assert children, "the measuring child never started"
         os.kill(parent.pid, signum)
         _, err = parent.communicate(timeout=30)
