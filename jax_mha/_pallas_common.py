@@ -11,7 +11,9 @@ over by `shard_map` (a Pallas kernel cannot be partitioned automatically).
 from __future__ import annotations
 
 import functools
+import importlib
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -236,3 +238,13 @@ def causal_past_last_key(vis: _masking.Visibility, name: str, use: str) -> str |
         return (f"{name} places queries on the keys' axis: q_offset={offset} puts causal queries past the last key "
                 f"(N + offset = {n + offset} > S = {s}); {use}")
     return None
+
+
+def gpu_op(name: str):
+    """`jax.experimental.pallas.ops.gpu.<name>`, imported without the DeprecationWarning
+    jax 0.11 raises for its Triton `attention` and `decode_attention` (it points users to
+    tokamax): the kernel is this library's choice, not its user's, and the warning would
+    be printed at a user's first attention call."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return importlib.import_module(f"jax.experimental.pallas.ops.gpu.{name}")

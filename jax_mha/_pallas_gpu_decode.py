@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_mha import _masking, _pallas_gpu
-from jax_mha._pallas_common import common_refusal, decode_router, flat_batch, next_pow2
+from jax_mha._pallas_common import common_refusal, decode_router, flat_batch, gpu_op, next_pow2
 from jax_mha._pallas_mgpu import engine_backward
 
 NAME = "implementation='pallas_gpu'"
@@ -87,7 +87,7 @@ def visible_interval(vis: _masking.Visibility, batch: tuple):
 def _decode(q, k, v, vis, *, scale: float, interpret: bool):
     """The decode kernel on q `(B…, H, 1, D)`, k `(B…, K, S, D)`, v `(B…, K, S, Dv)`:
     out `(B…, H, 1, Dv)` in q's dtype."""
-    from jax.experimental.pallas.ops.gpu import decode_attention
+    decode_attention = gpu_op("decode_attention")
 
     batch, qf, kf, vf = flat_batch(q, k, v)  # (b, H, 1, D), (b, K, S, D), (b, K, S, Dv)
     h, d, s, dv = qf.shape[1], qf.shape[-1], kf.shape[2], vf.shape[-1]
