@@ -18,8 +18,12 @@ natively and which through that dense mask:
   exposes no segment ids or sequence offsets (its cuDNN call's `q_offsets` are
   private and Hopper-only);
 * the dense mask (and a bias) is built only up to `DENSE_MAX_ELEMENTS`; `refusal`
-  names the parts beyond, so `"auto"` moves on. cuDNN's backward with a bias needs even
-  N and S: odd lengths are padded by one masked row or key.
+  names the parts beyond, so `"auto"` moves on;
+* odd N and S are padded to even by one row (dropped after) and one key no real row
+  sees: jax's check for cuDNN's backward ("Unsupported sequence length") reads the
+  zero-size placeholder jax passes for a missing bias as a bias, so every training call
+  with an odd length raises, with a bias or without (jax 0.10.2 and 0.11.2; seen on an
+  H200, where the causal N = S = 251 gradient raised it).
 
 Like jax.nn's cuDNN kernel this path has a custom VJP only: reverse mode (`grad`,
 `vjp`), no `jvp`/`jacfwd`; use `"xla"` or `"blockwise"` for those. `score_mod`,
@@ -152,20 +156,25 @@ def refusal(vis: Visibility, call: Call) -> str | None:
     return None
 
 
-def _pad_even(q, k, v, mask, bias):
-    """Pads odd N (a query row, dropped after) and odd S (a key every row masks) to
-    even: cuDNN's backward with a bias raises for odd lengths. q `(B, N, H, D)`, k/v
-    `(B, S, K, D)`, mask bool and bias `(B, H, N, S)` or None."""
+def _pad_even(q, k, v, mask, bias, kv_lengths, future_hidden: bool):
+    """`(q, k, v, mask, bias, kv_lengths)` with odd N padded by a query row (dropped
+    after) and odd S by a key no real row sees: the dense mask hides it where there is
+    one; else causality (`future_hidden`: causal or a `(left, 0)` window, N == S, so the
+    added key is every real row's future); else the kv lengths, which stop before it.
+    q `(B, N, H, D)`, k/v `(B, S, K, D)`, mask bool and bias `(B, H, N, S)` or None,
+    kv_lengths `(B,)` int32 or None."""
     n, s = q.shape[1], k.shape[1]
     dn, ds = n % 2, s % 2
     if not (dn or ds):
-        return q, k, v, mask, bias
-    if mask is None and ds:
+        return q, k, v, mask, bias, kv_lengths
+    if ds and mask is None and bias is not None:
         mask = jnp.ones((1, 1, n, s), bool)
+    if ds and mask is None and not future_hidden and kv_lengths is None:
+        kv_lengths = jnp.full((q.shape[0],), s, jnp.int32)
     rows = lambda x: jnp.pad(x, ((0, 0), (0, dn), (0, 0), (0, 0)))
     keys = lambda x: jnp.pad(x, ((0, 0), (0, ds), (0, 0), (0, 0)))
     pairs = lambda x, fill: None if x is None else jnp.pad(x, ((0, 0), (0, 0), (0, dn), (0, ds)), constant_values=fill)
-    return rows(q), keys(k), keys(v), pairs(mask, False), pairs(bias, 0)
+    return rows(q), keys(k), keys(v), pairs(mask, False), pairs(bias, 0), kv_lengths
 
 
 def cudnn_attention(q, k, v, vis: Visibility, *, scale):
@@ -185,11 +194,11 @@ def cudnn_attention(q, k, v, vis: Visibility, *, scale):
     bias = None if vis.bias is None else full(vis.bias.astype(q.dtype))
     flat = lambda x: jnp.swapaxes(jnp.broadcast_to(x, (*batch, *x.shape[-3:])).reshape(-1, *x.shape[-3:]), -3, -2)
     fq, fk, fv = flat(q), flat(k), flat(v)  # (B, N, H, D), (B, S, K, D)
-    if mask is not None or bias is not None:
-        fq, fk, fv, mask, bias = _pad_even(fq, fk, fv, mask, bias)
+    future_hidden = how.pattern_native and (how.is_causal or how.local_window_size is not None)
+    fq, fk, fv, mask, bias, kv_lengths = _pad_even(fq, fk, fv, mask, bias, lengths(vis.kv_lengths), future_hidden)
     out = jax.nn.dot_product_attention(
         fq, fk, fv, bias=bias, mask=mask, scale=scale, is_causal=how.is_causal,
-        query_seq_lengths=lengths(vis.q_lengths), key_value_seq_lengths=lengths(vis.kv_lengths),
+        query_seq_lengths=lengths(vis.q_lengths), key_value_seq_lengths=kv_lengths,
         local_window_size=how.local_window_size, implementation="cudnn",
     )  # (B, N', H, D)
     return jnp.swapaxes(out[:, :n], -3, -2).reshape(*batch, h, n, d)
