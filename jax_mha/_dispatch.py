@@ -124,10 +124,11 @@ class AutoChoice(str):
 def lowering_chain(lowering: str) -> tuple[str, ...]:
     """The kernels `"auto"` tries, in order, when lowering for `lowering` (`"cuda"`,
     `"tpu"`, ...): its `AUTO_CHAIN`, with cuDNN only for CUDA and only when the default
-    backend is a CUDA GPU (jax.nn's cuDNN call reads the cuDNN version and the GPU
-    while it is traced)."""
+    device is a CUDA GPU (jax.nn's cuDNN call reads the cuDNN version and the GPU
+    while it is traced). `jax.default_backend()` names a CUDA GPU `"gpu"`, like a
+    ROCm one: `_cudnn.this_gpu` tells them apart."""
     chain = AUTO_CHAIN.get(LOWERING_PLATFORMS.get(lowering, ""), ())
-    if lowering != "cuda" or jax.default_backend() != "cuda":
+    if lowering != "cuda" or (_cudnn.this_gpu() or ("",))[0] != "cuda":
         chain = tuple(path for path in chain if path != "cudnn")
     return chain
 

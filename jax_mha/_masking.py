@@ -234,12 +234,27 @@ def dense_allowed(vis: Visibility, rank: int) -> jax.Array | None:
 def dense_rows(vis: Visibility, bad_kv: jax.Array, heads: int) -> tuple[jax.Array, jax.Array]:
     """`(empty, touched)`, bool `(B…, H, N)`: rows with no visible key, and rows that
     may see a key in `bad_kv` (bool `(B…, K, S)`, keys or values with a non-finite
-    entry). For the kernel paths, whose kernels return neither: an `(N, S)` reduction
-    that XLA fuses into its two outputs (evaluated, never stored).
+    entry). For the kernel paths, whose kernels return neither.
+
+    Where only causality and a window restrict (`every_row_sees_a_key`), no row is
+    empty and each row sees one interval of keys `[lo, hi)` (`key_range`): whether it
+    holds a bad key is a difference of prefix counts, O(N + S). Otherwise a
+    `(B…, H, N, S)` reduction that XLA fuses into its two outputs (evaluated, never
+    stored): O(B·H·N·S) work, which on an H200 cost 10 ms of cuDNN's 25 ms causal
+    forward at B=8, H=16, N=S=16384 before the interval route existed.
     A `score_mod` that returns `-inf` is not consulted (the kernel paths take none)."""
+    batch = jnp.broadcast_shapes(tuple(vis.batch_shape), bad_kv.shape[:-2])
+    if vis.every_row_sees_a_key:
+        rows = jnp.arange(vis.n)
+        lo, hi = (jnp.broadcast_to(jnp.asarray(x, jnp.int32), (vis.n,)) for x in key_range(vis, rows, rows, vis.s))
+        count = jnp.cumsum(bad_kv, axis=-1, dtype=jnp.int32)
+        count = jnp.concatenate([jnp.zeros(count.shape[:-1] + (1,), jnp.int32), count], axis=-1)  # (B…, K, S + 1)
+        seen = jnp.take(count, hi, axis=-1) > jnp.take(count, lo, axis=-1)  # (B…, K, N)
+        touched = jnp.repeat(seen, heads // bad_kv.shape[-2], axis=-2)
+        shape = tuple(batch) + (heads, vis.n)
+        return jnp.zeros(shape, bool), jnp.broadcast_to(touched, shape)
     rank = bad_kv.ndim + 1
     allowed = dense_allowed(vis, rank)
-    batch = jnp.broadcast_shapes(tuple(vis.batch_shape), bad_kv.shape[:-2])
     shape = tuple(batch) + (heads, vis.n, vis.s)
     allowed = jnp.broadcast_to(True if allowed is None else allowed, shape)
     sees_bad = jnp.repeat(bad_kv, heads // bad_kv.shape[-2], axis=-2)[..., None, :]  # (B…, H, 1, S)

@@ -12,6 +12,8 @@ GPUs; 2e-2 on a TPU, whose default float32 matmul runs bfloat16 passes)."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,3 +111,21 @@ def test_auto_picks_the_kernel_on_its_device(platform, dtype, expected):
     if PLATFORM != platform:
         pytest.skip(f"'auto' picks {expected} on a {platform.upper()}; this backend is {jax.default_backend()}")
     assert _check("auto", jnp.dtype(dtype), "causal") == expected
+
+
+# The custom call each kernel lowers to (StableHLO text of the lowered program).
+TARGETS = {"cudnn": "__cudnn$fmha", "pallas_gpu": "__gpu$xla.gpu.triton", "pallas_tpu": "tpu_custom_call"}
+
+
+@pytest.mark.parametrize("platform, dtype, expected", AUTO, ids=["-".join(c) for c in AUTO])
+def test_auto_lowers_to_the_kernel_it_picks(platform, dtype, expected):
+    """The gradient of `"auto"`'s call, lowered for this device, holds the kernel that
+    `resolve_implementation` names (not the pure-JAX fallback of another branch)."""
+    if PLATFORM != platform:
+        pytest.skip(f"'auto' picks {expected} on a {platform.upper()}; this backend is {jax.default_backend()}")
+    n, s, parts = CASES["causal"]
+    q, k, v, _ = _inputs(n, s, jnp.dtype(dtype))
+    loss = lambda q, k, v: jnp.sum(attention(q, k, v, implementation="auto", **parts).astype(jnp.float32))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
+    calls = sorted(set(re.findall(r"custom_call @([\w$.]+)", text)))
+    assert any(c.startswith(TARGETS[expected]) for c in calls), f"'auto' lowered with custom calls {calls}"

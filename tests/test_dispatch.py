@@ -4,6 +4,7 @@ isolation, empty rows, padding rows) around a kernel that knows nothing of them.
 
 from __future__ import annotations
 
+import itertools
 import types
 
 import jax
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import np_allowed, np_attention
 
-from jax_mha import _dispatch, _masking, attention
+from jax_mha import _cudnn, _dispatch, _masking, attention
 from jax_mha._dense import reference_weights
 
 B, H, K, N, S, D = 2, 6, 3, 7, 11, 5
@@ -156,9 +157,12 @@ def test_auto_chooses_for_every_lowering_platform(monkeypatch):
     assert choice == "cudnn" and isinstance(choice, str)  # what a GPU host runs and reports
     assert choice.per_platform == {"cpu": "blockwise", "cuda": "blockwise", "rocm": "blockwise", "tpu": "pallas_tpu",
                                    None: "blockwise"}
-    monkeypatch.setattr(_dispatch.jax, "default_backend", lambda: "cuda")
+    # A CUDA host (jax.default_backend() says "gpu" there, as on ROCm; seen on an H200).
+    monkeypatch.setattr(_cudnn, "this_gpu", lambda: ("cuda", (9, 0)))
     assert _dispatch.choose(vis, call, "auto").per_platform["cuda"] == "cudnn"
     assert _dispatch.choose(vis, call, "auto").per_platform["rocm"] == "blockwise"  # cuDNN is NVIDIA's
+    monkeypatch.setattr(_cudnn, "this_gpu", lambda: ("rocm", (9, 4)))
+    assert _dispatch.choose(vis, call, "auto").per_platform["cuda"] == "blockwise"
     assert type(_dispatch.choose(vis, call, "blockwise")) is str  # an explicit choice is taken as it is
 
 
@@ -210,3 +214,25 @@ def test_auto_under_transformations_on_cpu(rng):
                 "jvp": jax.jvp(ref, tuple(a64), tuple(jnp.asarray(x[1]) for x in (q, k, v)))[1]}
         want = jax.tree.map(np.asarray, want)
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=2e-5), got, want)
+
+
+def test_rows_by_intervals_match_the_pattern_row_by_row():
+    """`dense_rows` where only causality and a window restrict (prefix counts over each
+    row's key interval, no N x S work) against the NumPy pattern: no empty row, and a
+    row is touched exactly when a key it may see is bad; GQA (6 query heads, 3 kv
+    heads), every small (N, S), aligned bottom-right."""
+    rng = np.random.default_rng(0)
+    windows = [None, (0, 0), (1, None), (None, 1), (2, 0), (0, 2), (3, 1)]
+    checked = 0
+    for n, s, is_causal, window in itertools.product(range(1, 7), range(1, 7), (False, True), windows):
+        vis = _masking.Visibility(n, s, is_causal, None if window is None else _masking.Window(*window))
+        if not vis.every_row_sees_a_key:
+            continue
+        bad = rng.random((2, 3, s)) < 0.3
+        empty, touched = _masking.dense_rows(vis, jnp.asarray(bad), 6)
+        allowed = np_allowed((2, 6, n, s), is_causal=is_causal, window=window)
+        np.testing.assert_array_equal(empty, np.zeros((2, 6, n), bool))
+        np.testing.assert_array_equal(touched, (allowed & np.repeat(bad, 2, axis=1)[:, :, None, :]).any(-1),
+                                      err_msg=str((n, s, is_causal, window)))
+        checked += 1
+    assert checked > 100
