@@ -3,6 +3,7 @@ dot_product_attention ("cudnn" and "xla") and PyTorch's SDPA (when torch with CU
 installed), forward and forward+backward, causal and causal with 8 packed documents.
 
     python -m experiments.device_benchmark --preset quick   # B=8, H=16, N 1k/4k/16k, D 64/128, bf16
+    python -m experiments.device_benchmark --preset float16 # the quick sizes, causal, float16 (pallas_mgpu)
     python -m experiments.device_benchmark --preset full    # more sizes and float32 (no budget)
     python -m experiments.device_benchmark --smoke          # one tiny size: the only thing run on CPU
 
@@ -63,6 +64,8 @@ class Grid:
 PRESETS = {
     "smoke": Grid(batch=(1,), heads=(2,), seq=(128,), head_dim=(64,), dtype=("float32",), budget=None, repeats=2),
     "quick": Grid(),
+    # The Hopper kernel ("pallas_mgpu") takes float16 only: the same sizes, causal, in float16.
+    "float16": Grid(dtype=("float16",), masks=("causal",), budget=150.0),
     "full": Grid(batch=(1, 8), heads=(8, 32), seq=(1024, 4096, 16384, 32768), dtype=("bfloat16", "float32"),
                  budget=None, repeats=5),
 }

@@ -207,17 +207,19 @@ def test_tpu_logits_soft_cap_matches_float64(rng):
     (1, 1, False, 0), (34, 34, True, 0), (100, 100, False, 0), (200, 100, False, -100), (100, 200, True, 100),
     (1, 1000, False, 999), (1, 1000, True, 999), (300, 100, True, -200), (5, 40, True, 2), (4096, 4096, True, 0),
 ])
-def test_gpu_layout_blocks_and_positions(n, s, is_causal, offset):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_layout_blocks_and_positions(n, s, is_causal, offset, head_dim):
     """Static placement: power-of-two blocks dividing the padded lengths (Triton's
-    lowering needs them), equal block counts for the fused backward, backward blocks
-    above the kernel's 32 defaults where the sequence allows, only the needed rows."""
-    lay = _pallas_gpu.layout(n, s, is_causal, offset)
+    lowering needs them), equal block counts for the fused backward, the backward's
+    blocks for this head dim where the sequence allows, only the needed rows."""
+    lay = _pallas_gpu.layout(n, s, is_causal, offset, head_dim)
+    outer, inner = _pallas_gpu.backward_blocks(head_dim)
     block_q, block_k, bwd_q_inner, bwd_k, bwd_q, bwd_k_inner = lay.sizes
     for block, length in ((block_q, lay.t_q), (block_k, lay.t_k), (bwd_q, lay.t_q), (bwd_k, lay.t_k),
                           (bwd_q_inner, lay.t_q), (bwd_k_inner, lay.t_k)):
         assert block & (block - 1) == 0 and 16 <= block <= 128 and length % block == 0, (block, length)
     assert lay.t_q // bwd_q == lay.t_k // bwd_k and lay.t_q <= lay.t_k and s <= lay.t_k < s + block_k
-    assert bwd_k == min(128, lay.t_k)
+    assert bwd_k == min(outer, lay.t_k) and bwd_q_inner == min(inner, bwd_q) and bwd_k_inner == min(inner, bwd_k)
     pos = _pallas_gpu.positions(lay, n)
     assert pos.max() < s and lay.front + lay.rows <= lay.t_q  # computed rows sit on real keys' positions
     computed = lay.chunks * lay.rows
@@ -225,7 +227,7 @@ def test_gpu_layout_blocks_and_positions(n, s, is_causal, offset):
     if is_causal:
         assert lay.skip == max(-offset, 0) and lay.rows == n - lay.skip and lay.chunks == 1
     if (n, s, is_causal) == (1, 1000, False):
-        assert lay.t_q == 128 and lay.t_k == 1024  # a single query does not pay for 1024 rows
+        assert lay.t_k == 1024 and lay.t_q == 16 * (1024 // outer)  # one query pays for 16 rows per program
 
 
 def _traced(fn):
