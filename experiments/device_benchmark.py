@@ -7,9 +7,8 @@ installed), forward and forward+backward, causal and causal with 8 packed docume
     python -m experiments.device_benchmark --preset full    # more sizes and float32 (no budget)
     python -m experiments.device_benchmark --smoke          # one tiny size: the only thing run on CPU
 
-`--preset quick` is meant to finish within 8 minutes on one H100 including compilation
-(an estimate: it has not run on one yet), and stops early with what it has when
-`--budget` seconds (default 420) run out. Pallas paths are never timed in interpret
+`--preset quick` took 138 s on an H200, compilation included (docs/results/gpu_kernels.md),
+and stops early with what it has when `--budget` seconds (default 420) run out. Pallas paths are never timed in interpret
 mode (on CPU they are not run). A call a path refuses (its `refusal`, as `"auto"` reads it) is recorded with the reason, untimed;
 one that fails (out of memory, a kernel error) with its error.
 
@@ -244,7 +243,7 @@ def run(grid: Grid, budget: float | None) -> dict:
             rows.append(row)
             print(format_row(row), flush=True)
         del arrays
-    return dict(device=kind, platform=platform, peak_bf16_tflops=peak, rows=rows, auto=auto, docs_per_row=DOCS,
+    return dict(kind="device_benchmark", device=kind, platform=platform, peak_bf16_tflops=peak, rows=rows, auto=auto, docs_per_row=DOCS,
                 causal=True, budget_s=budget, stopped_early=stopped, seconds=time.monotonic() - start,
                 grid=dataclasses.asdict(grid), metadata=run_metadata(), time=time.time())
 

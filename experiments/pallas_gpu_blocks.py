@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
             row = rows[-1]
             print(f"D={d:<4} outer={outer:<4} inner={inner:<3} " + (
                 f"{row['ms']:8.3f} ms  error {row['relative_error']:.1e}" if "ms" in row else row["error"]), flush=True)
-    result = dict(device=str(jax.devices()[0].device_kind), batch=B, heads=H, seq=N, dtype="bfloat16", causal=True,
+    result = dict(kind="pallas_gpu_blocks", device=str(jax.devices()[0].device_kind), batch=B, heads=H, seq=N, dtype="bfloat16", causal=True,
                   library_pairs={d: _pallas_gpu.backward_blocks(d) for d in (64, 128)}, rows=rows, metadata=run_metadata())
     write_json(args.out, result)
     print(f"wrote {args.out}")

@@ -47,10 +47,11 @@ import argparse
 import json
 import re
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Sequence
 
-from experiments import common_anchors
+from experiments import common_anchors, common_device
 from experiments.common_tables import (  # noqa: F401  (re-exported: the renderers of every kind)
     RENDERERS,
     lm_pruning_induction,
@@ -76,14 +77,17 @@ BLOCK = re.compile(r"<!-- report: (?P<name>[\w.-]+)#(?P<block>[\w-]+) -->\n(?P<b
 
 
 def render(data: dict, block: str) -> str:
-    """The Markdown of one block: the anchors' kinds by `experiments.common_anchors`, every
-    other kind by `experiments.common_tables.render`.
+    """The Markdown of one block: the anchors' kinds by `experiments.common_anchors`, the
+    accelerators' by `experiments.common_device`, every other kind by
+    `experiments.common_tables.render`.
 
     Raises:
       ValueError: for an unknown kind or a block the kind does not have.
     """
     if data.get("kind") in common_anchors.RENDERERS:
         return common_anchors.render(data, block)
+    if data.get("kind") in common_device.RENDERERS:
+        return common_device.render(data, block)
     return _render_study(data, block)
 
 
@@ -154,8 +158,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if a page disagrees with its data")
     p.add_argument("--pages", type=Path, default=PAGES, help="folder of the pages (default docs/results)")
     p.add_argument("--merge", type=Path, nargs="+", metavar="ARTIFACT", help="merge per-seed artifacts into -o")
-    p.add_argument("-o", "--output", type=Path, help="the merged data file (with --merge)")
+    p.add_argument("--junit", type=Path, metavar="XML",
+                   help="turn pytest's --junitxml report of `pytest -m device` into -o (with --device, --versions)")
+    p.add_argument("--device", help="the device the --junit report ran on")
+    p.add_argument("--versions", help="the software the --junit report ran with (jax, CUDA, ...)")
+    p.add_argument("-o", "--output", type=Path, help="the data file written (with --merge or --junit)")
     args = p.parse_args(argv)
+    if args.junit:
+        if args.output is None or not args.device or not args.versions:
+            p.error("--junit needs -o FILE, --device and --versions")
+        try:
+            data = common_device.device_tests_from_junit(args.junit.read_text(encoding="utf-8"), args.device,
+                                                         args.versions)
+        except (OSError, ET.ParseError) as e:
+            p.error(f"cannot read {args.junit}: {e}")
+        args.output.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {args.output} ({len(data['tests'])} tests)")
+        return 0
     if args.merge:
         if args.output is None:
             p.error("--merge needs -o FILE")

@@ -44,7 +44,8 @@ traced query offset, and causal queries past the last key. q_lengths need nothin
 dispatcher zeroes the rows past them.
 
 Not in `AUTO_CHAIN`: `"auto"` never picks this path (its causal backward runs on the
-engine, and it has not run on a Hopper GPU here); name it to use it.
+blockwise engine); name it to use it. Its device tests pass on an H200
+(docs/results/gpu_kernels.md).
 
 TPU paged attention (`jax.experimental.pallas.ops.tpu.paged_attention`) is not wrapped:
 it reads keys and values from a pool of fixed-size pages through per-sequence page

@@ -93,3 +93,14 @@ def test_a_failing_path_is_recorded_and_the_run_goes_on(monkeypatch):
 def test_presets_refused_on_cpu(argv):
     with pytest.raises(SystemExit):
         bench.main(argv)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="on a GPU the sweep runs")
+@pytest.mark.parametrize("argv, message", [([], "compiles for a GPU; this backend is cpu"),
+                                           (["--repeats", "0"], "--repeats must be >= 1, got 0")])
+def test_backward_block_sweep_refuses_a_cpu_and_bad_repeats(capsys, argv, message):
+    from experiments import pallas_gpu_blocks
+
+    with pytest.raises(SystemExit) as exit_info:
+        pallas_gpu_blocks.main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

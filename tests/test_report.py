@@ -131,3 +131,40 @@ def test_recall_standard_rates_are_the_committed_grid_choice():
     grid = json.loads((report.DATA / "recall_lr_grid.json").read_text(encoding="utf-8"))
     assert dict(associative_recall.STANDARD_RATES) == {h: lr for h, (lr, _) in best_rates(grid).items()}
     assert associative_recall.standard().learning_rates == associative_recall.STANDARD_RATES
+
+
+def _bench_row(impl, mask, n, fwd, fwd_bwd):
+    cell = lambda ms: {"ms": ms, "tflops": 1.0, "peak_pct": None} if ms is not None else {"refused": "no"}
+    return dict(impl=impl, mask=mask, batch=2, heads=3, seq=n, head_dim=64, dtype="bfloat16",
+                forward=cell(fwd), forward_backward=cell(fwd_bwd))
+
+
+def test_device_benchmark_ratios_are_over_jax_nns_cudnn_and_refusals_are_named():
+    rows = [_bench_row("jax_mha:cudnn", "causal", 256, 3.0, 8.0), _bench_row("jax.nn:cudnn", "causal", 256, 2.0, 4.0),
+            _bench_row("jax_mha:pallas_mgpu", "causal", 256, None, None)]
+    data = dict(kind="device_benchmark", device="GPU X", peak_bf16_tflops=None, docs_per_row=8, stopped_early=False,
+                rows=rows, auto=[dict(mask="causal", seq=256, head_dim=64, chosen="cudnn")],
+                grid=dict(batch=[2], heads=[3], dtype=["bfloat16"], repeats=3))
+    assert "| causal | 256 | 64 | 1.50 / 2.00 |" in report.render(data, "versus_jax_nn")
+    table = report.render(data, "table")
+    assert "| 256 | 64 | `cudnn` | 3.00 / 8.00 | 2.00 / 4.00 |" in table
+    assert "Not run: `jax_mha:pallas_mgpu` (refused: no)." in table
+    with pytest.raises(ValueError, match="no block 'nope'"):
+        report.render(data, "nope")
+
+
+def test_junit_report_becomes_a_device_tests_file(tmp_path):
+    xml = tmp_path / "junit.xml"
+    xml.write_text('<testsuites><testsuite><testcase classname="tests.test_device" name="test_a[x]" time="1.5"/>'
+                   '<testcase classname="tests.test_device" name="test_b" time="0.2"><failure message="m"/></testcase>'
+                   '<testcase classname="tests.test_device" name="test_c" time="0"><skipped message="s"/></testcase>'
+                   '</testsuite></testsuites>')
+    out = tmp_path / "tests.json"
+    assert report.main(["--junit", str(xml), "--device", "GPU X", "--versions", "jax 9", "-o", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [(t["name"], t["outcome"]) for t in data["tests"]] == [
+        ("test_device::test_a[x]", "passed"), ("test_device::test_b", "failed"), ("test_device::test_c", "skipped")]
+    assert report.render(data, "table").startswith("`pytest -m device` on GPU X (jax 9): 1 of 2 passed; 1 skipped")
+    with pytest.raises(SystemExit) as exit_info:
+        report.main(["--junit", str(xml), "-o", str(out)])
+    assert exit_info.value.code == 2

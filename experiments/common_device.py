@@ -1,0 +1,182 @@
+"""The tables of the accelerator results (docs/results/gpu_kernels.md), rendered from
+committed data by `experiments.report`. Kinds:
+
+- `device_tests`: `pytest -m device` on one device (`experiments.report` reads the
+  outcome per test); block `table`.
+- `device_benchmark`: `experiments.device_benchmark` (one preset on one device); blocks
+  `table` (milliseconds per path and case), `tflops` (forward+backward TFLOP/s) and
+  `versus_jax_nn` (each jax_mha kernel's time over jax.nn's cuDNN call, causal cases).
+- `pallas_gpu_blocks`: `experiments.pallas_gpu_blocks`; block `table`.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from typing import Callable
+
+PASSES = ("forward", "forward_backward")
+
+
+def _cases(data: dict, mask: str) -> list[tuple[int, int]]:
+    """(N, D) of every case of `mask`, in the order measured."""
+    seen = []
+    for row in data["rows"]:
+        key = (row["seq"], row["head_dim"])
+        if row["mask"] == mask and key not in seen:
+            seen.append(key)
+    return seen
+
+
+def _row(data: dict, impl: str, mask: str, n: int, d: int) -> dict | None:
+    return next((r for r in data["rows"] if (r["impl"], r["mask"], r["seq"], r["head_dim"]) == (impl, mask, n, d)),
+                None)
+
+
+def _impls(data: dict) -> tuple[list[str], list[str]]:
+    """(implementations with a timing somewhere, those refused or skipped everywhere)."""
+    names = list(dict.fromkeys(r["impl"] for r in data["rows"]))
+    timed = [n for n in names if any("ms" in r[p] for r in data["rows"] if r["impl"] == n for p in PASSES)]
+    return timed, [n for n in names if n not in timed]
+
+
+def _why_not(data: dict, impl: str) -> str:
+    """The first reason an implementation gave for not running."""
+    for row in data["rows"]:
+        if row["impl"] == impl:
+            kind = next(iter(row["forward"]))
+            return f"{kind}: {row['forward'][kind]}"
+    return ""
+
+
+def _cell(row: dict | None, fmt: Callable[[dict], str]) -> str:
+    if row is None:
+        return "–"
+    parts = []
+    for name in PASSES:
+        r = row[name]
+        parts.append(fmt(r) if "ms" in r else next(iter(r)))
+    return " / ".join(parts)
+
+
+def _auto(data: dict, mask: str, n: int, d: int) -> str:
+    return next((a["chosen"] for a in data["auto"] if (a["mask"], a["seq"], a["head_dim"]) == (mask, n, d)), "–")
+
+
+def _grid_line(data: dict) -> str:
+    grid = data["grid"]
+    return (f"{data['device']}, B={max(grid['batch'])}, H={max(grid['heads'])}, {grid['dtype'][0]}, median of "
+            f"{grid['repeats']} timed calls after a compiling one; "
+            + ("every case measured" if not data["stopped_early"] else "stopped early by its budget"))
+
+
+def benchmark_table(data: dict) -> str:
+    """Milliseconds, forward / forward+backward, per mask, (N, D) and path."""
+    timed, untimed = _impls(data)
+    lines = [f"{_grid_line(data)}. Cells: forward / forward+backward, ms.", ""]
+    for mask in dict.fromkeys(r["mask"] for r in data["rows"]):
+        label = "causal" if mask == "causal" else f"causal, {data['docs_per_row']} packed documents"
+        lines += [f"**{label}**", "", "| N | D | `auto` takes | " + " | ".join(f"`{n}`" for n in timed) + " |",
+                  "|---:|---:|---|" + "---|" * len(timed)]
+        for n, d in _cases(data, mask):
+            cells = [_cell(_row(data, impl, mask, n, d), lambda r: f"{r['ms']:.2f}") for impl in timed]
+            lines.append(f"| {n} | {d} | `{_auto(data, mask, n, d)}` | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += [f"Not run: `{impl}` ({_why_not(data, impl)})." for impl in untimed]
+    return "\n".join(lines).rstrip()
+
+
+def benchmark_tflops(data: dict) -> str:
+    """Forward+backward TFLOP/s (visible pairs only) and % of the spec peak, causal."""
+    timed, _ = _impls(data)
+    peak = data.get("peak_bf16_tflops")
+    lines = ["Forward+backward, causal: TFLOP/s counting visible pairs only"
+             + (f" (% of the {peak:g} TFLOP/s dense bfloat16 spec peak)." if peak else "."), "",
+             "| N | D | " + " | ".join(f"`{n}`" for n in timed) + " |", "|---:|---:|" + "---|" * len(timed)]
+    for n, d in _cases(data, "causal"):
+        cells = []
+        for impl in timed:
+            row = _row(data, impl, "causal", n, d)
+            r = None if row is None else row["forward_backward"]
+            cells.append("–" if r is None else next(iter(r)) if "tflops" not in r else
+                         f"{r['tflops']:.0f}" + (f" ({r['peak_pct']:.0f} %)" if r.get("peak_pct") is not None else ""))
+        lines.append(f"| {n} | {d} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def benchmark_versus_jax_nn(data: dict) -> str:
+    """Each jax_mha path's time over `jax.nn.dot_product_attention(implementation=
+    "cudnn")` on the same case (packed documents: jax.nn given the dense mask); 1.00 is
+    as fast as jax.nn's own call."""
+    ours = [n for n in _impls(data)[0] if n.startswith("jax_mha:")]
+    lines = [f"Time over jax.nn's cuDNN call ({data['device']}): forward / forward+backward.", "",
+             "| mask | N | D | " + " | ".join(f"`{n}`" for n in ours) + " |", "|---|---:|---:|" + "---|" * len(ours)]
+    for mask in dict.fromkeys(r["mask"] for r in data["rows"]):
+        for n, d in _cases(data, mask):
+            base = _row(data, "jax.nn:cudnn", mask, n, d)
+            cells = []
+            for impl in ours:
+                row = _row(data, impl, mask, n, d)
+                pair = [row[p]["ms"] / base[p]["ms"] if row and base and "ms" in row[p] and "ms" in base[p] else None
+                        for p in PASSES]
+                cells.append(" / ".join("–" if x is None else f"{x:.2f}" for x in pair))
+            lines.append(f"| {mask} | {n} | {d} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def device_tests_table(data: dict) -> str:
+    """One line per test that ran (not skipped on this device), its outcome and time."""
+    ran = [t for t in data["tests"] if t["outcome"] != "skipped"]
+    passed = sum(t["outcome"] == "passed" for t in ran)
+    lines = [f"`pytest -m device` on {data['device']} ({data['versions']}): {passed} of {len(ran)} passed; "
+             f"{len(data['tests']) - len(ran)} skipped (other platforms' kernels).", "",
+             "| test | outcome | s |", "|---|---|---:|"]
+    lines += [f"| `{t['name']}` | {t['outcome']} | {t['seconds']:.1f} |" for t in ran]
+    return "\n".join(lines)
+
+
+def blocks_table(data: dict) -> str:
+    """Forward+backward ms per (outer, inner) backward blocks; the fastest per D marked."""
+    lines = [f"{data['device']}: causal forward+backward, B={data['batch']}, H={data['heads']}, "
+             f"N=S={data['seq']}, {data['dtype']}; gradient error relative to the largest gradient of the "
+             "float32 blockwise engine.", "", "| D | outer | inner | ms | error |", "|---:|---:|---:|---:|---:|"]
+    for d in dict.fromkeys(r["head_dim"] for r in data["rows"]):
+        rows = [r for r in data["rows"] if r["head_dim"] == d]
+        best = min((r for r in rows if "ms" in r), key=lambda r: r["ms"], default=None)
+        for r in rows:
+            if "ms" not in r:
+                lines.append(f"| {d} | {r['outer']} | {r['inner']} | {r['error']} | – |")
+                continue
+            ms = f"**{r['ms']:.2f}**" if r is best else f"{r['ms']:.2f}"
+            lines.append(f"| {d} | {r['outer']} | {r['inner']} | {ms} | {r['relative_error']:.1e} |")
+    return "\n".join(lines)
+
+
+def device_tests_from_junit(xml_text: str, device: str, versions: str) -> dict:
+    """A `device_tests` data file from pytest's `--junitxml` report: each test's name,
+    outcome (passed, failed, error, skipped) and seconds."""
+    tests = []
+    for case in ET.fromstring(xml_text).iter("testcase"):
+        outcome = next((o for o in ("failure", "error", "skipped") if case.find(o) is not None), "passed")
+        tests.append(dict(name=f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}",
+                          outcome={"failure": "failed"}.get(outcome, outcome), seconds=float(case.get("time", 0))))
+    return dict(kind="device_tests", device=device, versions=versions, tests=tests)
+
+
+RENDERERS: dict[str, dict[str, Callable[[dict], str]]] = {
+    "device_tests": {"table": device_tests_table},
+    "device_benchmark": {"table": benchmark_table, "tflops": benchmark_tflops,
+                         "versus_jax_nn": benchmark_versus_jax_nn},
+    "pallas_gpu_blocks": {"table": blocks_table},
+}
+
+
+def render(data: dict, block: str) -> str:
+    """The Markdown of one block of one device data file.
+
+    Raises:
+      ValueError: for a block the kind does not have.
+    """
+    kind = data["kind"]
+    if block not in RENDERERS[kind]:
+        raise ValueError(f"a {kind} file has no block {block!r}; it has {sorted(RENDERERS[kind])}")
+    return RENDERERS[kind][block](data)
