@@ -22,6 +22,9 @@ from pathlib import Path
 
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):  # read when the backend starts
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+# On a GPU each pytest worker would otherwise take 75 % of its memory when it starts
+# (`pytest -m device` runs two workers); the tests' arrays are small.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
