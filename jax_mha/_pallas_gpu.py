@@ -68,6 +68,7 @@ from jax_mha._pallas_common import (
 NAME = "implementation='pallas_gpu'"
 DEFAULT_BLOCK = 128  # the kernel's own forward block (BlockSizes.get_default())
 MIN_BLOCK = 16  # the smallest tile Triton's tl.dot takes
+MAX_HEAD_DIM = 256
 
 
 def backward_blocks(head_dim: int) -> tuple[int, int]:
@@ -79,7 +80,6 @@ def backward_blocks(head_dim: int) -> tuple[int, int]:
     D = 128, (64, 64) took 8.9 ms against 18.4 (a 128-key program's accumulators spill).
     Head dims above 128 (padded to 256) take (64, 64), unmeasured."""
     return (128, 64) if next_pow2(head_dim) <= 64 else (64, 64)
-MAX_HEAD_DIM = 256
 
 
 class Layout(NamedTuple):
