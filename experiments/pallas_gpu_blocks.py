@@ -29,7 +29,7 @@ PAIRS = ((128, 32), (128, 64), (64, 32), (64, 64), (64, 16), (32, 32))
 B, H, N = 8, 16, 4096
 
 
-def gradients(implementation: str, q, k, v):
+def gradients(implementation: str):
     """The jitted `(dq, dk, dv)` of `sum(attention(...))` (float32 sum)."""
     loss = lambda q, k, v: jnp.sum(attention(q, k, v, is_causal=True, implementation=implementation)
                                    .astype(jnp.float32))
@@ -42,7 +42,7 @@ def measure(d: int, outer: int, inner: int, want, q, k, v, repeats: int) -> dict
     saved = _pallas_gpu.backward_blocks
     _pallas_gpu.backward_blocks = lambda head_dim: (outer, inner)
     try:
-        step = gradients("pallas_gpu", q, k, v)  # a new jit: traced with this pair
+        step = gradients("pallas_gpu")  # a new jit: traced with this pair
         sec, first = median_seconds(lambda: jax.block_until_ready(step(q, k, v)), warmup=1, repeats=repeats)
         got = step(q, k, v)
     except Exception as e:  # a pair Triton cannot compile (shared memory) is recorded, the sweep goes on
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
         keys = jax.random.split(jax.random.key(0), 3)
         q, k, v = (jax.random.normal(key, (B, H, N, d), jnp.bfloat16) for key in keys)
         f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-        want = [np.asarray(g) for g in gradients("blockwise", *f32)(*f32)]
+        want = [np.asarray(g) for g in gradients("blockwise")(*f32)]
         for outer, inner in PAIRS:
             rows.append(measure(d, outer, inner, want, q, k, v, args.repeats))
             row = rows[-1]
