@@ -27,13 +27,12 @@ natively and which through that dense mask:
 
 Like jax.nn's cuDNN kernel this path has a custom VJP only: reverse mode (`grad`,
 `vjp`), no `jvp`/`jacfwd`; use `"xla"` or `"blockwise"` for those. `score_mod`,
-`logits_soft_cap` and sinks cuDNN cannot express: `refusal` names them.
+`logits_soft_cap` and sinks cuDNN cannot express: its refusal names them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import NamedTuple
 
@@ -41,6 +40,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_mha._masking import Call, Visibility, Window, dense_allowed
+from jax_mha._pallas_common import kernel_run, this_gpu
+from jax_mha._path import Path
 
 # The most elements of the dense (B, H, N, S) mask or bias this path builds: with the
 # bias cuDNN is given and the gradient it returns, a few bytes each.
@@ -90,22 +91,6 @@ def plan(vis: Visibility) -> Plan:
     return Plan(True, None if left is None else (left, 0), True, tuple(dense))
 
 
-@functools.cache
-def this_gpu() -> tuple[str, tuple[int, ...]] | None:
-    """`("cuda" | "rocm", compute capability)` of the default device when it is a GPU
-    (capability `()` when unreadable), else None: a call described for a GPU from
-    another backend (the tests, `experiments/accelerator_table.py`)."""
-    if jax.default_backend() != "gpu":
-        return None
-    device = jax.devices()[0]
-    vendor = "cuda" if "cuda" in str(device.client.platform_version).lower() else "rocm"
-    try:
-        capability = tuple(int(x) for x in str(device.compute_capability).split("."))
-    except (AttributeError, ValueError):
-        capability = ()
-    return vendor, capability
-
-
 def _device_refusal(call: Call) -> str | None:
     """The GPU's own limits: CUDA only, Ampere or later, head_dim and dtype."""
     name = "implementation='cudnn'"
@@ -127,25 +112,12 @@ def _device_refusal(call: Call) -> str | None:
     return None
 
 
-def refusal(vis: Visibility, call: Call) -> str | None:
-    """Why jax.nn's cuDNN kernel cannot run this call (one line naming the part and
-    what to use instead), or None. The one place that decides it: `"auto"` reads it
-    to move on, an explicit `implementation="cudnn"` raises it."""
+def limits(vis: Visibility, call: Call) -> str | None:
+    """What jax.nn's cuDNN kernel cannot take beyond its parts (`PATH.takes`): the
+    GPU's own limits, and a dense mask or bias past `DENSE_MAX_ELEMENTS`."""
     why = _device_refusal(call)
     if why is not None:
         return why
-    if call.return_weights:
-        return "implementation='cudnn' never builds the weights: return_weights=True needs implementation='xla'"
-    if call.dropout:
-        return "implementation='cudnn' does not apply dropout here: use implementation='xla'"
-    for part, value in (("score_mod", vis.score_mod), ("logits_soft_cap", vis.logits_soft_cap),
-                        ("sinks", vis.sinks)):
-        if value is not None:
-            return f"implementation='cudnn' cannot express {part} (jax.nn's cuDNN call has no such argument); {_USE}"
-    if call.return_residual:
-        return f"implementation='cudnn' does not return the log-sum-exp here (return_residual=True); {_USE}"
-    if vis.q_offset is not None or vis.q_start is not None:
-        return f"implementation='cudnn' cannot take a query offset (decoding from a cache index); {_USE}"
     parts = plan(vis).dense + (("a bias",) if vis.bias is not None else ())
     if parts:
         batch = jnp.broadcast_shapes(call.q.shape[:-3], call.k.shape[:-3])
@@ -154,6 +126,12 @@ def refusal(vis: Visibility, call: Call) -> str | None:
             return (f"implementation='cudnn' takes {', '.join(parts)} only as a dense (B…, H, N, S) = {shape} mask, "
                     f"{math.prod(shape):,} elements > 2**24; {_USE}")
     return None
+
+
+def lowers(lowering: str) -> bool:
+    """jax.nn's cuDNN call reads the cuDNN version and the GPU while it is traced: it
+    lowers for CUDA only from a process whose default device is a CUDA GPU."""
+    return lowering == "cuda" and (this_gpu() or ("",))[0] == "cuda"
 
 
 def _pad_even(q, k, v, mask, bias, kv_lengths, future_hidden: bool):
@@ -177,10 +155,11 @@ def _pad_even(q, k, v, mask, bias, kv_lengths, future_hidden: bool):
     return rows(q), keys(k), keys(v), pairs(mask, False), pairs(bias, 0), kv_lengths
 
 
-def cudnn_attention(q, k, v, vis: Visibility, *, scale):
+def cudnn_attention(q, k, v, vis: Visibility, *, scale, interpret: bool = False):
     """`out (B…, H, N, D)` of finite `q (B…, H, N, D)`, `k, v (B…, K, S, D)`, as
     `plan` translates `vis`; rows with no visible key are left to the dispatcher
-    (`_masking.dense_rows`)."""
+    (`_masking.dense_rows`). cuDNN has no interpret mode (`interpret` is unused)."""
+    del interpret
     *batch, h, n, d = q.shape
     s = k.shape[-2]
     how = plan(vis)
@@ -204,4 +183,10 @@ def cudnn_attention(q, k, v, vis: Visibility, *, scale):
     return jnp.swapaxes(out[:, :n], -3, -2).reshape(*batch, h, n, d)
 
 
-__all__ = ["DENSE_MAX_ELEMENTS", "Plan", "cudnn_attention", "plan", "refusal", "this_gpu"]
+# cuDNN takes the pattern, lengths and (as one dense mask) masks, mask_mod and segment
+# ids, not the mods, the soft-cap, sinks, the log-sum-exp or a query offset.
+PATH = Path("cudnn", kernel_run(cudnn_attention), platforms=("gpu",), limits=limits, lowers=lowers,
+            takes=frozenset({"bias", "mask", "mask_mod", "window", "kv_lengths", "q_lengths", "segment_ids"}))
+refusal = PATH.refusal
+
+__all__ = ["DENSE_MAX_ELEMENTS", "PATH", "Plan", "cudnn_attention", "plan", "refusal", "this_gpu"]

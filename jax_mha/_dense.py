@@ -9,11 +9,30 @@ entries and marks the rows that see them.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
-from jax_mha import _masking
+from jax_mha import _masking, blockwise
 from jax_mha._masking import compute_dtype, soft_cap
+from jax_mha._path import Path
+
+# The "xla" path builds the whole float32 scores `(B…, H, N, S)` up to this many bytes
+# and runs the blockwise engine beyond (measurements: docs/performance.md).
+WHOLE_SCORES_MAX_BYTES = 16 * 2**20
+
+
+def whole_scores_fit(q, k) -> bool:
+    """Whether `"xla"` builds the whole scores for these `q (B…, H, N, D)` and
+    `k (B…, K, S, D)` (arrays or shape structs): float32 or float64 inputs whose
+    float32 scores take at most `WHOLE_SCORES_MAX_BYTES`. bfloat16 and float16 inputs
+    go to the engine, which multiplies them in their own dtype with float32
+    accumulation; the whole-scores route computes in float32 throughout."""
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)):
+        return False
+    batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3])
+    return math.prod(batch + q.shape[-3:-1] + k.shape[-2:-1]) * 4 <= WHOLE_SCORES_MAX_BYTES
 
 
 def reference_weights(q, k, allowed=None, bias=None, *, scale: float, rows_see_keys: bool = False, score_fn=None,
@@ -141,3 +160,22 @@ def dense_attention(q, k, v, bad_kv, vis: _masking.Visibility, *, scale: float, 
     sees_bad = jnp.repeat(bad_kv, groups, axis=-2)[..., None, :]  # (B…, H, 1, S)
     touched = jnp.any(sees_bad if allowed is None else allowed & sees_bad, axis=-1)
     return out, weights, lse, empty, jnp.broadcast_to(touched, empty.shape)
+
+
+def run(q, k, v, bad_kv, vis: _masking.Visibility, call: _masking.Call, *, scale: float, dropout_rate: float,
+        dropout_rng, blocks):
+    """The `"xla"` path (`Path.run`): the whole scores when the call needs the weights
+    or dropout or they fit `WHOLE_SCORES_MAX_BYTES`, else the blockwise engine with
+    its default blocks (`blocks` are the blockwise path's alone)."""
+    del blocks
+    if not (call.return_weights or call.dropout or whole_scores_fit(q, k)):
+        return blockwise.run(q, k, v, bad_kv, vis, call, scale=scale, blocks=(None, None))
+    out, weights, lse, empty, touched = dense_attention(
+        q, k, v, bad_kv, vis, scale=scale, dropout_rate=dropout_rate if call.dropout else 0.0,
+        dropout_rng=dropout_rng, return_lse=call.return_residual)
+    return out, weights if call.return_weights else None, lse, empty, touched
+
+
+# The path of last resort: it takes every part of every call, on every platform.
+PATH = Path("xla", run, statistics="whole")
+

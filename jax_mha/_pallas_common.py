@@ -1,11 +1,18 @@
-"""Shared translation helpers for the Pallas kernel paths (`_pallas_tpu`, `_pallas_gpu`).
+"""What the kernel paths share (`_cudnn`, `_pallas_gpu`, `_pallas_tpu`, their decode
+kernels, `_pallas_mgpu`); no kernel module imports another.
 
-Both kernels take integer segment ids and let a query see a key only when the ids
-match. Lengths, padding to the kernel's block size and the library's segment ids all
-fold into those arrays (`kernel_segment_ids`), so no sequence length is refused.
-`common_refusal` holds the refusals both kernels share, `without_x64` their tracing
-under `jax_enable_x64`, `kernel_mesh` / `mesh_refusal` the mesh a kernel call is split
-over by `shard_map` (a Pallas kernel cannot be partitioned automatically).
+`kernel_run` turns a kernel's `fn(q, k, v, vis, *, scale, interpret) -> out` into a
+path's `run`; `pallas_limits` are the limits every Pallas kernel shares (the rest of
+their refusals derive from what each takes, `jax_mha._path`); `engine_backward` gives
+a forward-only kernel the blockwise engine's gradient; `visible_interval` is the key
+interval of a one-query decoding step; `this_gpu` the GPU the process runs on.
+
+The Pallas kernels take integer segment ids and let a query see a key only when the
+ids match. Lengths, padding to the kernel's block size and the library's segment ids
+all fold into those arrays (`kernel_segment_ids`), so no sequence length is refused.
+`without_x64` is their tracing under `jax_enable_x64`, `kernel_mesh` / `mesh_refusal`
+the mesh a kernel call is split over by `shard_map` (a Pallas kernel cannot be
+partitioned automatically).
 """
 
 from __future__ import annotations
@@ -19,9 +26,98 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mha import _masking
+from jax_mha import _masking, blockwise
 
 _USE = "use implementation='xla' or 'blockwise'"
+
+
+@functools.cache
+def this_gpu() -> tuple[str, tuple[int, ...]] | None:
+    """`("cuda" | "rocm", compute capability)` of the default device when it is a GPU
+    (capability `()` when unreadable), else None: a call described for a GPU from
+    another backend (the tests, `experiments/accelerator_table.py`)."""
+    if jax.default_backend() != "gpu":
+        return None
+    device = jax.devices()[0]
+    vendor = "cuda" if "cuda" in str(device.client.platform_version).lower() else "rocm"
+    try:
+        capability = tuple(int(x) for x in str(device.compute_capability).split("."))
+    except (AttributeError, ValueError):
+        capability = ()
+    return vendor, capability
+
+
+def kernel_run(fn):
+    """A kernel's `fn(q, k, v, vis, *, scale, interpret) -> out (B…, H, N, Dv)` as a
+    path's `run` (`jax_mha._path.Path`): traced under standard dtype promotion (the
+    kernels are jax's code; a user's `jax.numpy_dtype_promotion("strict")` is for their
+    own arithmetic), interpreted when the call runs on a CPU, and the rows that see no
+    key (where kernels average v or leave anything) and those that see a bad key read
+    from the description (`_masking.dense_rows`)."""
+
+    def run(q, k, v, bad_kv, vis: _masking.Visibility, call: _masking.Call, *, scale: float, **_):
+        with jax.numpy_dtype_promotion("standard"):
+            out = fn(q, k, v, vis, scale=scale, interpret=call.platform == "cpu")
+        empty, touched = _masking.dense_rows(vis, bad_kv, q.shape[-3])
+        out = jnp.where(empty[..., None], 0.0, out.astype(_masking.compute_dtype(q.dtype)))
+        return out, None, None, empty, touched
+
+    return run
+
+
+def pallas_limits(label: str, call: _masking.Call) -> str | None:
+    """What every Pallas kernel refuses beyond its parts: mixed dtypes, float64 inputs
+    (their softmax is float32) and kv heads K not dividing the query heads H."""
+    dtypes = {jnp.dtype(x.dtype) for x in (call.q, call.k, call.v)}
+    if len(dtypes) > 1:
+        return f"{label} needs one dtype for q, k and v, got {sorted(map(str, dtypes))}; {_USE}"
+    if jnp.dtype(call.q.dtype) == jnp.float64:
+        return f"{label} computes its softmax in float32, too coarse for float64 inputs; {_USE}"
+    h, kh = call.q.shape[-3], call.k.shape[-3]
+    if kh == 0 or h % kh:
+        return f"{label} needs kv heads K dividing query heads H, got H={h}, K={kh}; {_USE}"
+    return None
+
+
+def engine_backward(kernel, scale: float):
+    """`kernel(q, k, v, vis) -> out` (a forward-only kernel) as a function of the same
+    arguments whose gradient is the blockwise engine's (`blockwise.run_blockwise`),
+    which recomputes the forward: for kernels with no backward of their own.
+
+    Args:
+      kernel: q `(B…, H, N, D)`, k `(B…, K, S, D)`, v `(B…, K, S, Dv)`, `vis` ->
+        out `(B…, H, N, Dv)`.
+      scale: the softmax scale both use.
+    """
+
+    @jax.custom_vjp
+    def call(q, k, v, vis):
+        return kernel(q, k, v, vis)
+
+    def forward(q, k, v, vis):
+        return kernel(q, k, v, vis), (q, k, v, vis)
+
+    def backward(saved, g):
+        q, k, v, vis = saved
+        engine = lambda q, k, v: blockwise.run_blockwise(q, k, v, vis, scale=scale)[0].astype(g.dtype)
+        _, pull = jax.vjp(engine, q, k, v)
+        return (*pull(g), None)  # the description (lengths, offsets) takes no gradient
+
+    call.defvjp(forward, backward)
+    return call
+
+
+def visible_interval(vis: _masking.Visibility, batch: tuple):
+    """`(start, stop)` int32 `(b,)` over the flattened `batch`: the keys `[start, stop)`
+    the one query row may see (causality and window from `_masking.key_range`, cut at
+    `kv_lengths`); traced when the offset or the lengths are."""
+    b = math.prod(batch)
+    lo, hi = _masking.key_range(vis, 0, 0, vis.s)
+    hi = jnp.asarray(hi, jnp.int32)
+    if vis.kv_lengths is not None:
+        lengths = jnp.broadcast_to(vis.kv_lengths.reshape(vis.kv_lengths.shape[:-3]), batch).reshape(b)
+        hi = jnp.minimum(hi, lengths.astype(jnp.int32))
+    return jnp.broadcast_to(jnp.asarray(lo, jnp.int32), (b,)), jnp.broadcast_to(hi, (b,))
 
 
 def static_int(x) -> int | None:
@@ -34,41 +130,6 @@ def static_int(x) -> int | None:
 def is_traced(x) -> bool:
     """Whether `x` is a tracer (its value unknown while tracing)."""
     return isinstance(x, jax.core.Tracer)
-
-
-def common_refusal(path: str, vis: _masking.Visibility, call: _masking.Call, *, takes: tuple = ()) -> str | None:
-    """The refusal both kernels share: the first part of `vis`/`call` that `path`
-    cannot express, as one line naming it and the path to use instead, or None.
-    `takes` lists the optional parts the kernel does express (`"logits_soft_cap"`)."""
-    name = f"implementation={path!r}"
-    home = path[len("pallas_"):]
-    if call.platform not in (home, "cpu"):
-        return f"{name} runs on a {home.upper()} (or interpreted on a CPU), this call runs on {call.platform!r}; {_USE}"
-    if call.return_weights:
-        return f"{name} never builds the weights: return_weights=True needs implementation='xla'"
-    if call.dropout:
-        return f"{name} cannot apply dropout: use implementation='xla'"
-    dtypes = {jnp.dtype(x.dtype) for x in (call.q, call.k, call.v)}
-    if len(dtypes) > 1:
-        return f"{name} needs one dtype for q, k and v, got {sorted(map(str, dtypes))}; {_USE}"
-    if jnp.dtype(call.q.dtype) == jnp.float64:
-        return f"{name} computes its softmax in float32, too coarse for float64 inputs; {_USE}"
-    h, kh = call.q.shape[-3], call.k.shape[-3]
-    if kh == 0 or h % kh:
-        return f"{name} needs kv heads K dividing query heads H, got H={h}, K={kh}; {_USE}"
-    for part, value in (("an additive bias", vis.bias), ("a dense mask", vis.mask), ("score_mod", vis.score_mod),
-                        ("mask_mod", vis.mask_mod)):
-        if value is not None:
-            return f"{name} cannot express {part} (the kernel takes no per-pair values or functions); {_USE}"
-    if vis.logits_soft_cap is not None and "logits_soft_cap" not in takes:
-        return f"{name} cannot express logits_soft_cap={vis.logits_soft_cap!r} (the kernel has no soft-cap); {_USE}"
-    if vis.q_offset is not None and is_traced(vis.q_offset):
-        return f"{name} builds its causal/window pattern at trace time: a traced query offset (decoding) is not static; {_USE}"
-    if vis.sinks is not None and "sinks" not in takes:
-        return f"{name} cannot express sinks (attention sinks); {_USE}"
-    if call.return_residual:
-        return f"{name} does not return the log-sum-exp here (return_residual=True); {_USE}"
-    return None
 
 
 # The mesh axes a kernel call is split over by `shard_map` (MaxText's names): the
@@ -201,33 +262,6 @@ def _cut(ids, lengths, batch: tuple, sentinel):
         return ids
     cut = jnp.broadcast_to(lengths.reshape(lengths.shape[:-3]), batch).reshape(-1, 1)  # (b, 1)
     return jnp.where(jnp.arange(ids.shape[1], dtype=jnp.int32)[None] < cut, ids, sentinel)
-
-
-def decode_router(decode_refusal, fallback, decode, platform: str, engine_backward):
-    """`(refusal, run)` of a kernel path whose one-query decoding steps go to a decode
-    kernel and every other call to `fallback` (a module with `refusal` and `run`):
-    `decode_refusal(vis, call)` says when the decode kernel cannot take a call, and
-    `decode(q, k, v, vis, *, scale, interpret)` runs it, and its gradients are
-    `engine_backward(kernel, scale)`'s (`_pallas_mgpu.engine_backward`: the blockwise
-    engine's)."""
-
-    def refusal(vis: _masking.Visibility, call: _masking.Call) -> str | None:
-        """Why neither the decode kernel nor the path's main kernel can run this call
-        (the main kernel's line), or None."""
-        return None if decode_refusal(vis, call) is None else fallback.refusal(vis, call)
-
-    def run(q, k, v, vis: _masking.Visibility, *, scale: float, interpret: bool) -> jax.Array:
-        """q `(B…, H, N, D)`, k `(B…, K, S, D)`, v `(B…, K, S, Dv)` (finite) under `vis`,
-        for which `refusal` returned None: on the decode kernel when it takes the call,
-        else on the main kernel. Returns out `(B…, H, N, Dv)` in q's dtype; rows with no
-        visible key hold anything finite (the dispatcher fills them)."""
-        call = _masking.Call(q, k, v, platform="cpu" if interpret else platform)
-        if decode_refusal(vis, call) is not None:
-            return fallback.run(q, k, v, vis, scale=scale, interpret=interpret)
-        kernel = functools.partial(decode, scale=float(scale), interpret=bool(interpret))
-        return engine_backward(kernel, scale)(q, k, v, vis)
-
-    return refusal, run
 
 
 def causal_past_last_key(vis: _masking.Visibility, name: str, use: str) -> str | None:

@@ -21,12 +21,12 @@ causal rule is top-left, `q_pos >= k_pos`) and ONE segment-id array is read at b
   each block of up to 128 keys with a block of queries;
 * segment ids: the kernel reads the keys' ids at every query's position, so a query
   whose own id differs from that (distinct query and key ids) cannot be expressed. With
-  concrete ids `refusal` checks it; traced ids are taken only for self-attention
+  concrete ids `limits` checks it; traced ids are taken only for self-attention
   (N == S, query i at position i), and a row whose ids disagree comes back NaN;
 * GQA/MQA: k/v heads are repeated, because the kernel's BlockSpecs index q and k/v by
   the same head.
 
-Refused (`refusal`, one line naming the part): a window, kv_lengths (one id array
+Refused (the path's refusal, one line naming the part): a window, kv_lengths (one id array
 cannot cut keys while the queries at those positions stay), an additive bias, a dense
 mask, score_mod/mask_mod, logits_soft_cap, return_weights, dropout, a traced query
 offset, float64 (the kernel's softmax is float32), Dv != D, and on a GPU head_dim
@@ -52,18 +52,21 @@ import numpy as np
 
 from jax_mha import _masking
 from jax_mha._pallas_common import (
+    _USE,
     causal_past_last_key,
-    common_refusal,
     flat_batch,
     flat_ids,
     gpu_op,
     is_traced,
+    kernel_run,
     next_pow2,
+    pallas_limits,
     round_up,
     sentinels,
     static_int,
     without_x64,
 )
+from jax_mha._path import Path
 
 NAME = "implementation='pallas_gpu'"
 DEFAULT_BLOCK = 128  # the kernel's own forward block (BlockSizes.get_default())
@@ -132,22 +135,18 @@ def positions(lay: Layout, n: int) -> np.ndarray:
     return lay.front + np.arange(n - lay.skip) % max(lay.rows, 1)
 
 
-def refusal(vis: _masking.Visibility, call: _masking.Call) -> str | None:
-    """Why the Triton kernel cannot run this call (one line naming the part and the
-    path to use instead), or None. See the module docstring for the list."""
-    why = common_refusal("pallas_gpu", vis, call)
+def limits(vis: _masking.Visibility, call: _masking.Call) -> str | None:
+    """What the Triton kernel cannot take beyond its parts (`PATH.takes`): one line
+    naming it and the paths to use instead, or None. See the module docstring."""
+    use = _USE
+    why = pallas_limits(NAME, call)
     if why is not None:
         return why
-    use = "use implementation='xla' or 'blockwise'"
     d, dv = call.q.shape[-1], call.v.shape[-1]
     if dv != d:
         return f"{NAME} needs equal q/k and v head dims, got {d} and {dv}; {use}"
     if call.platform == "gpu" and (next_pow2(d) < MIN_BLOCK or d > MAX_HEAD_DIM):  # compiled only
         return f"{NAME} needs head_dim in 9..{MAX_HEAD_DIM} on a GPU (Triton's dot tiles), got D={d}; {use}"
-    if vis.window is not None:
-        return f"{NAME} cannot express a local window {tuple(vis.window)}; use 'pallas_tpu' on a TPU, 'xla' or 'blockwise'"
-    if vis.kv_lengths is not None:
-        return f"{NAME} cannot express kv_lengths (its one segment-id array serves queries and keys alike); {use}"
     n, s = vis.n, vis.s
     if n == 0 or s == 0:
         return None
@@ -182,7 +181,7 @@ def _segment_refusal(vis: _masking.Visibility, lay: Layout) -> str | None:
 
 def run(q, k, v, vis: _masking.Visibility, *, scale: float, interpret: bool) -> jax.Array:
     """Triton FlashAttention of finite q `(B…, H, N, D)`, k `(B…, K, S, D)`,
-    v `(B…, K, S, D)` under `vis` (for which `refusal` returned None).
+    v `(B…, K, S, D)` under `vis` (which `PATH` does not refuse).
 
     Returns:
       out `(B…, H, N, D)` in q's dtype. Rows with no visible key hold anything
@@ -254,3 +253,12 @@ def _mha(q, k, v, ids, *, config):
     scale, causal, sizes, interpret = config
     return gpu_attention.mha(q, k, v, ids, sm_scale=scale, causal=causal,
                              block_sizes=gpu_attention.BlockSizes(*sizes), interpret=interpret)
+
+
+# The kernel's one segment-id array carries segment ids and q_lengths (a padding query
+# takes a sentinel); it cannot cut keys (kv_lengths) or hold a window, and takes a
+# static query offset only.
+PATH = Path("pallas_gpu", kernel_run(run), platforms=("gpu",), interprets=True, limits=limits,
+            takes=frozenset({"segment_ids", "q_lengths", "query_offset"}))
+refusal = PATH.refusal
+

@@ -1,8 +1,8 @@
 """`implementation="pallas_gpu"` as the dispatcher reaches it: a decoding step (one query
 row against a cache) on the Pallas Triton decode kernel
-(`jax.experimental.pallas.ops.gpu.decode_attention.gqa`), every other call on the
-Triton FlashAttention translation (`jax_mha._pallas_gpu`), whose refusal is the one
-reported when the decode kernel refuses too.
+(`jax.experimental.pallas.ops.gpu.decode_attention.gqa`): the `decode` of the
+`"pallas_gpu"` path (`jax_mha._path.Path`), which sends every other call to the
+Triton FlashAttention translation (`jax_mha._pallas_gpu`).
 
 A decoding step (`jax_mha._attend`) describes its one new token with the cache index
 as query offset (`q_offset`, traced under jit) over the whole cache of length L: the
@@ -19,25 +19,32 @@ unlike the FlashAttention kernel it needs no static offset. The translation:
 * head dims padded with zeros to one power of two >= 16 (Triton's tiles): q and k to
   the same width change no logit, and v's padded columns are dropped, so Dv != D works.
 
-Refused by `decode_refusal` (the call then goes to `_pallas_gpu`): N != 1, segment ids,
-head dims over 256 on a GPU, and what every Pallas path refuses (`common_refusal`)
-but a traced query offset. Gradients: the kernel has no backward; reverse mode runs
-the blockwise engine's (`_pallas_mgpu.engine_backward`). Float32 inputs: the kernel's
+Refused (the call then goes to `_pallas_gpu`): N != 1, float64, head dims over 256 on
+a GPU, and every part `DECODE.takes` leaves out (segment ids, the mods, a bias or mask,
+the soft-cap, sinks, the log-sum-exp). Gradients: the kernel has no backward; reverse
+mode runs the blockwise engine's (`_pallas_common.engine_backward`). Float32 inputs: the kernel's
 dots run at JAX's default matmul precision on a GPU (TF32 on recent NVIDIA GPUs); its
 per-chunk partial outputs are stored in the input dtype before they are merged.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
+import functools
 
 import jax
 import jax.numpy as jnp
 
-from jax_mha import _masking, _pallas_gpu
-from jax_mha._pallas_common import common_refusal, decode_router, flat_batch, gpu_op, next_pow2
-from jax_mha._pallas_mgpu import engine_backward
+from jax_mha import _masking
+from jax_mha._pallas_common import (
+    engine_backward,
+    flat_batch,
+    gpu_op,
+    kernel_run,
+    next_pow2,
+    pallas_limits,
+    visible_interval,
+)
+from jax_mha._path import Path
 
 NAME = "implementation='pallas_gpu'"
 MIN_TILE = 16  # Triton's smallest dot tile, and the kernel's smallest chunk of keys
@@ -53,35 +60,17 @@ def key_splits(s: int) -> tuple[int, int]:
     return split, -(-s // split)
 
 
-def decode_refusal(vis: _masking.Visibility, call: _masking.Call) -> str | None:
-    """Why the decode kernel cannot run this call (one line), or None."""
+def limits(vis: _masking.Visibility, call: _masking.Call) -> str | None:
+    """What the decode kernel cannot take beyond its parts (`DECODE.takes`), or None."""
     if vis.n != 1:
         return f"{NAME}'s decode kernel takes one query row, got N={vis.n}"
-    # The kernel reads the visible interval at run time: a traced offset is fine here.
-    why = common_refusal("pallas_gpu", dataclasses.replace(vis, q_offset=None), call)
+    why = pallas_limits(NAME, call)
     if why is not None:
         return why
-    if vis.segmented:
-        return f"{NAME}'s decode kernel cannot express segment ids (it masks one interval of keys)"
     width = next_pow2(max(call.q.shape[-1], call.v.shape[-1]), MIN_TILE)
     if call.platform == "gpu" and width > MAX_HEAD_DIM:  # compiled only
         return f"{NAME}'s decode kernel takes head dims up to {MAX_HEAD_DIM} on a GPU, got a padded width of {width}"
     return None
-
-
-
-
-def visible_interval(vis: _masking.Visibility, batch: tuple):
-    """`(start, stop)` int32 `(b,)` over the flattened `batch`: the keys `[start, stop)`
-    the one query row may see (causality and window from `_masking.key_range`, cut at
-    `kv_lengths`); traced when the offset or the lengths are."""
-    b = math.prod(batch)
-    lo, hi = _masking.key_range(vis, 0, 0, vis.s)
-    hi = jnp.asarray(hi, jnp.int32)
-    if vis.kv_lengths is not None:
-        lengths = jnp.broadcast_to(vis.kv_lengths.reshape(vis.kv_lengths.shape[:-3]), batch).reshape(b)
-        hi = jnp.minimum(hi, lengths.astype(jnp.int32))
-    return jnp.broadcast_to(jnp.asarray(lo, jnp.int32), (b,)), jnp.broadcast_to(hi, (b,))
 
 
 def _decode(q, k, v, vis, *, scale: float, interpret: bool):
@@ -106,6 +95,15 @@ def _decode(q, k, v, vis, *, scale: float, interpret: bool):
     return out[..., :dv].reshape(batch + (h, 1, dv)).astype(q.dtype)
 
 
-# The path's `refusal` and `run`: decoding steps on the decode kernel, every other call
-# (and every refused step) on `_pallas_gpu`.
-refusal, run = decode_router(decode_refusal, _pallas_gpu, _decode, "gpu", engine_backward)
+def run(q, k, v, vis: _masking.Visibility, *, scale: float, interpret: bool):
+    """The decode kernel's forward, with the blockwise engine's gradient."""
+    kernel = functools.partial(_decode, scale=float(scale), interpret=bool(interpret))
+    return engine_backward(kernel, scale)(q, k, v, vis)
+
+
+# `"pallas_gpu"`'s decoding steps (`Path.decode`): the kernel reads the visible key
+# interval at run time, so a traced offset is fine; it masks one interval of keys, so no
+# segment ids.
+DECODE = Path("pallas_gpu", kernel_run(run), platforms=("gpu",), interprets=True, limits=limits,
+              takes=frozenset({"window", "kv_lengths", "q_lengths", "query_offset", "traced_offset"}))
+decode_refusal = DECODE.refusal

@@ -33,7 +33,7 @@ kernel has no causal backward, so a causal call differentiates through the block
 engine (`jax_mha.blockwise`), recomputing the forward there: the forward on the
 kernel, the backward at the engine's speed. Reverse mode only (custom_vjp).
 
-Refused (`refusal`, one line naming the part): off a GPU; a GPU whose compute capability
+Refused (the path's refusal, one line naming the part): off a GPU (no interpret mode); a GPU whose compute capability
 is not 9.0 (when one is present: described from another backend, as for a CUDA export,
 the capability is not checked); no CUDA runtime version readable (the kernel reads it
 while tracing); causal on a CUDA runtime in 12.8.0..12.9.0 (the kernel refuses it: a
@@ -43,27 +43,32 @@ score_mod/mask_mod, logits_soft_cap, sinks, dropout, return_weights, return_resi
 traced query offset, and causal queries past the last key. q_lengths need nothing: the
 dispatcher zeroes the rows past them.
 
-Not in `AUTO_CHAIN`: `"auto"` never picks this path (its causal backward runs on the
-blockwise engine); name it to use it. Its device tests pass on an H200
+Registered with `auto=False`: `"auto"` never picks this path (its causal backward
+runs on the blockwise engine); name it to use it. Its device tests pass on an H200
 (docs/results/gpu_kernels.md).
-
-TPU paged attention (`jax.experimental.pallas.ops.tpu.paged_attention`) is not wrapped:
-it reads keys and values from a pool of fixed-size pages through per-sequence page
-tables, and this library's decoding cache is one contiguous `(B…, K, L, D)` array per
-layer, with no pages to hand it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jax_mha import _masking, blockwise
-from jax_mha._cudnn import this_gpu
-from jax_mha._pallas_common import causal_past_last_key, common_refusal, flat_batch, round_up, static_int, without_x64
+from jax_mha import _masking
+from jax_mha._pallas_common import (
+    causal_past_last_key,
+    engine_backward,
+    flat_batch,
+    kernel_run,
+    round_up,
+    static_int,
+    this_gpu,
+    without_x64,
+)
+from jax_mha._path import Path
 
 NAME = "implementation='pallas_mgpu'"
 _USE = "use implementation='cudnn', 'pallas_gpu', 'xla' or 'blockwise'"
@@ -116,22 +121,12 @@ def layout(n: int, s: int, d: int, is_causal: bool, offset: int) -> Layout:
     return Layout(skip, front, rows, t_q, t_k, d_pad, block_kv, pad_column)
 
 
-def kernel_refusal(vis: _masking.Visibility, call: _masking.Call) -> str | None:
-    """What the kernel cannot express in this call, read from the call alone (the
-    machine is `device_refusal`'s): one line naming the part, or None."""
-    if call.platform != "gpu":
-        return (f"{NAME} runs compiled on a Hopper GPU only (Mosaic GPU cannot interpret this kernel), this call "
-                f"runs on {call.platform!r}; {_USE}")
-    why = common_refusal("pallas_mgpu", vis, call._replace(platform="cpu"))  # the platform is settled above
-    if why is not None:
-        return why
+def shape_limits(vis: _masking.Visibility, call: _masking.Call) -> str | None:
+    """What the kernel cannot take beyond its parts (`PATH.takes`), read from the call
+    alone (the machine is `device_refusal`'s): one line naming it, or None."""
     d, dv = call.q.shape[-1], call.v.shape[-1]
     if dv != d:
         return f"{NAME} needs equal q/k and v head dims, got {d} and {dv}; {_USE}"
-    for part, present in (("a local window", vis.window is not None), ("kv_lengths", vis.kv_lengths is not None),
-                          ("segment ids", vis.segmented)):
-        if present:
-            return f"{NAME} cannot express {part} (the kernel masks nothing but causality); {_USE}"
     if jnp.dtype(call.q.dtype) != jnp.float16:
         return (f"{NAME} takes float16 only (its shared-memory tiles are float16; bfloat16 fails Mosaic's "
                 f"lowering), got {call.q.dtype}; {_USE}")
@@ -177,43 +172,9 @@ def device_refusal(is_causal: bool) -> str | None:
     return None
 
 
-def refusal(vis: _masking.Visibility, call: _masking.Call) -> str | None:
-    """Why the Hopper kernel cannot run this call (one line naming the part and the
-    paths to use instead), or None. See the module docstring for the list."""
-    return kernel_refusal(vis, call) or device_refusal(vis.is_causal)
-
-
-def engine_backward(kernel, scale: float):
-    """`kernel(q, k, v, vis) -> out` (a forward-only kernel) as a function of the same
-    arguments whose gradient is the blockwise engine's (`blockwise.run_blockwise`),
-    which recomputes the forward: for kernels with no backward of their own.
-
-    Args:
-      kernel: q `(B…, H, N, D)`, k `(B…, K, S, D)`, v `(B…, K, S, Dv)`, `vis` ->
-        out `(B…, H, N, Dv)`.
-      scale: the softmax scale both use.
-    """
-
-    @jax.custom_vjp
-    def call(q, k, v, vis):
-        return kernel(q, k, v, vis)
-
-    def forward(q, k, v, vis):
-        return kernel(q, k, v, vis), (q, k, v, vis)
-
-    def backward(saved, g):
-        q, k, v, vis = saved
-        engine = lambda q, k, v: blockwise.run_blockwise(q, k, v, vis, scale=scale)[0].astype(g.dtype)
-        _, pull = jax.vjp(engine, q, k, v)
-        return (*pull(g), None)  # the description (lengths, offsets) takes no gradient
-
-    call.defvjp(forward, backward)
-    return call
-
-
 def run(q, k, v, vis: _masking.Visibility, *, scale: float, interpret: bool) -> jax.Array:
     """The Hopper kernel on finite float16 q `(B…, H, N, D)`, k `(B…, K, S, D)`,
-    v `(B…, K, S, D)` under `vis` (for which `refusal` returned None).
+    v `(B…, K, S, D)` under `vis` (which `PATH` does not refuse).
 
     Returns:
       out `(B…, H, N, D)` float16. Rows with no visible key hold zeros or anything
@@ -279,3 +240,21 @@ def _attention(q, k, v, *, config):
     from jax.experimental.pallas.ops.gpu import attention_mgpu
 
     return attention_mgpu.attention(q, k, v, config)
+
+
+def _limits(vis: _masking.Visibility, call: _masking.Call) -> str | None:
+    return shape_limits(vis, call) or device_refusal(vis.is_causal)
+
+
+# Named only (`auto=False`): its causal backward runs on the blockwise engine. It masks
+# nothing but causality (q_lengths need nothing: the dispatcher zeroes those rows).
+PATH = Path("pallas_mgpu", kernel_run(run), platforms=("gpu",), limits=_limits, auto=False,
+            takes=frozenset({"q_lengths", "query_offset"}))
+refusal = PATH.refusal
+
+
+def kernel_refusal(vis: _masking.Visibility, call: _masking.Call) -> str | None:
+    """The path's refusal without the machine (`device_refusal`): what the kernel
+    cannot express in this call, read from the call alone."""
+    return dataclasses.replace(PATH, limits=shape_limits).refusal(vis, call)
+

@@ -24,10 +24,10 @@ so beyond that the two-kernel backward (dq accumulated in float32) is used.
 Meshes (`kernel_mesh`): under a mesh with axes "data" and/or "model" (the context mesh
 of `jax.set_mesh` / `jax.sharding.use_mesh`, or the inputs' NamedSharding) the kernel
 runs in a `shard_map`, the flattened batch split over "data" and the query and kv heads
-over "model" (a Mosaic kernel cannot be partitioned automatically); `refusal` names a
+over "model" (a Mosaic kernel cannot be partitioned automatically); `limits` names a
 batch or a number of kv heads the axis does not divide.
 
-Refused (`refusal`, one line naming the part): an additive bias, a dense mask,
+Refused (the path's refusal, one line naming the part): an additive bias, a dense mask,
 score_mod/mask_mod, return_weights, dropout, a traced query offset (splash builds its
 mask tables at trace time), float64 and float16 inputs, and `return_residual=True`:
 splash computes the log-sum-exp (`save_residuals=True`), but its custom VJP then
@@ -52,15 +52,18 @@ from jax.sharding import PartitionSpec as P
 
 from jax_mha import _masking
 from jax_mha._pallas_common import (
-    common_refusal,
+    _USE,
     flat_batch,
     kernel_mesh,
+    kernel_run,
     kernel_segment_ids,
     mesh_refusal,
+    pallas_limits,
     round_up,
     static_int,
     without_x64,
 )
+from jax_mha._path import Path
 
 NAME = "implementation='pallas_tpu'"
 # MaxText's default splash block (sa_block_q = sa_block_kv = 512); 128 is the smallest
@@ -71,14 +74,14 @@ MIN_BLOCK = 128
 FUSED_BWD_MAX_KV_BLOCKS = 4
 
 
-def refusal(vis: _masking.Visibility, call: _masking.Call) -> str | None:
-    """Why splash attention cannot run this call (one line naming the part and the
-    path to use instead), or None. See the module docstring for the list."""
-    why = common_refusal("pallas_tpu", vis, call, takes=("logits_soft_cap", "sinks"))
+def limits(vis: _masking.Visibility, call: _masking.Call) -> str | None:
+    """What splash cannot take beyond its parts (`PATH.takes`): float64 and float16
+    inputs, and a mesh whose axes do not divide the batch or kv heads; or None."""
+    why = pallas_limits(NAME, call)
     if why is not None:
         return why
     if jnp.dtype(call.q.dtype) == jnp.float16:
-        return f"{NAME} takes bfloat16 or float32 inputs (TPUs have no float16 units), got float16; use 'xla' or 'blockwise'"
+        return f"{NAME} takes bfloat16 or float32 inputs (TPUs have no float16 units), got float16; {_USE}"
     return mesh_refusal(NAME, call)
 
 
@@ -279,3 +282,12 @@ def _call_kernel(kernel, arrays):
 
     return without_x64(jax.vmap(one, in_axes=(0, 0, 0, 0, None)))(
         arrays["q"], arrays["k"], arrays["v"], arrays.get("ids"), arrays.get("sinks"))
+
+
+# Splash takes the pattern, lengths, segment ids, the soft-cap and sinks, and a static
+# query offset; no per-pair values or functions, no log-sum-exp (see above).
+PATH = Path("pallas_tpu", kernel_run(run), platforms=("tpu",), interprets=True, limits=limits,
+            takes=frozenset({"logits_soft_cap", "sinks", "window", "kv_lengths", "q_lengths", "segment_ids",
+                             "query_offset"}))
+refusal = PATH.refusal
+

@@ -1,8 +1,8 @@
 """`implementation="pallas_tpu"` as the dispatcher reaches it: a decoding step (one query
 row against a cache) on the Pallas TPU paged-attention kernel
-(`jax.experimental.pallas.ops.tpu.paged_attention`), every other call on splash
-attention (`jax_mha._pallas_tpu`), whose refusal is the one reported when the paged
-kernel refuses too.
+(`jax.experimental.pallas.ops.tpu.paged_attention`): the `decode` of the
+`"pallas_tpu"` path (`jax_mha._path.Path`), which sends every other call to splash
+attention (`jax_mha._pallas_tpu`).
 
 A decoding step (`jax_mha._attend`) describes its one new token with the cache index
 as query offset (`q_offset`, traced under jit) over the whole cache of length L. The
@@ -22,29 +22,38 @@ has no start, so a window whose left edge may cut keys is refused. The translati
 * the scale folded into q (the kernel does not scale); `logits_soft_cap` is the
   kernel's `attn_logits_soft_cap`, applied to the scaled logits as the description's.
 
-Refused by `decode_refusal` (the call then goes to `_pallas_tpu`): N != 1, segment ids,
-a window whose left edge may cut keys, Dv != D (the kernel takes one head dim), a
-mesh (the kernel runs outside a `shard_map`), float16, and what every Pallas path
-refuses (`common_refusal`) but a traced query offset and the soft-cap. Precision: the
-kernel rounds k and v to bfloat16 in VMEM whatever their dtype, so float32 inputs get
-bfloat16-rounded keys and values (TPUs multiply float32 at bfloat16 passes by
-default). Gradients: the kernel has no backward; reverse mode runs the blockwise
-engine's (`_pallas_mgpu.engine_backward`). Off a TPU the kernel runs in TPU interpret
+Refused (the call then goes to `_pallas_tpu`): N != 1, a window whose left edge may
+cut keys, Dv != D (the kernel takes one head dim), a mesh (the kernel runs outside a
+`shard_map`), float16 and float64, and every part `DECODE.takes` leaves out (segment
+ids, sinks, the mods, a bias or mask, the log-sum-exp). Precision: the kernel rounds k
+and v to bfloat16 in VMEM whatever their dtype, so float32 inputs get bfloat16-rounded
+keys and values; `"auto"` therefore leaves float32 steps to the float32 paths
+(`precision_refusal`), and only `implementation="pallas_tpu"` named explicitly runs
+them here. Gradients: the kernel has no backward; reverse mode runs the blockwise
+engine's (`_pallas_common.engine_backward`). Off a TPU the kernel runs in TPU interpret
 mode (`pltpu.force_tpu_interpret_mode`: the kernel takes no `interpret` argument).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
-from jax_mha import _masking, _pallas_tpu
-from jax_mha._pallas_common import common_refusal, decode_router, flat_batch, is_traced, kernel_mesh, round_up
-from jax_mha._pallas_gpu_decode import visible_interval
-from jax_mha._pallas_mgpu import engine_backward
+from jax_mha import _masking
+from jax_mha._pallas_common import (
+    engine_backward,
+    flat_batch,
+    is_traced,
+    kernel_mesh,
+    kernel_run,
+    pallas_limits,
+    round_up,
+    visible_interval,
+)
+from jax_mha._path import Path
 
 NAME = "implementation='pallas_tpu'"
 MIN_PAGE = 16  # bfloat16's sublane tile: a page reshapes into the kernel's key block as is
@@ -65,18 +74,15 @@ def pages(s: int) -> tuple[int, int, int]:
     return size, count, per_block
 
 
-def decode_refusal(vis: _masking.Visibility, call: _masking.Call) -> str | None:
-    """Why the paged kernel cannot run this call (one line), or None."""
+def limits(vis: _masking.Visibility, call: _masking.Call) -> str | None:
+    """What the paged kernel cannot take beyond its parts (`DECODE.takes`), or None."""
     if vis.n != 1:
         return f"{NAME}'s decode kernel takes one query row, got N={vis.n}"
-    # The kernel reads the visible length at run time: a traced offset is fine here.
-    why = common_refusal("pallas_tpu", dataclasses.replace(vis, q_offset=None), call, takes=("logits_soft_cap",))
+    why = pallas_limits(NAME, call)
     if why is not None:
         return why
     if jnp.dtype(call.q.dtype) == jnp.float16:
         return f"{NAME}'s decode kernel takes bfloat16 or float32 inputs (TPUs have no float16 units), got float16"
-    if vis.segmented:
-        return f"{NAME}'s decode kernel cannot express segment ids (it sees the keys [0, length) of a sequence)"
     left = vis.window is not None and vis.window.left is not None
     if left and (is_traced(lo := _masking.key_range(vis, 0, 0, vis.s)[0]) or lo != 0):
         return (f"{NAME}'s decode kernel cannot express a window whose left edge cuts keys (window="
@@ -88,6 +94,15 @@ def decode_refusal(vis: _masking.Visibility, call: _masking.Call) -> str | None:
     return None
 
 
+def precision_refusal(vis: _masking.Visibility, call: _masking.Call) -> str | None:
+    """`"auto"` does not take the kernel for float32 inputs: it rounds k and v to
+    bfloat16 (an error of about 4e-3 where float32 gives 5e-7); naming the path
+    explicitly accepts that."""
+    del vis
+    if jnp.dtype(call.q.dtype) == jnp.float32:
+        return (f"{NAME}'s decode kernel rounds float32 keys and values to bfloat16; \"auto\" keeps float32 "
+                "(name implementation='pallas_tpu' to accept the rounding)")
+    return None
 
 
 def paged(x, page_size: int, count: int):
@@ -121,6 +136,17 @@ def _decode(q, k, v, vis, *, scale: float, interpret: bool):
     return out.reshape(batch + (h, 1, d)).astype(q.dtype)
 
 
-# The path's `refusal` and `run`: decoding steps on the decode kernel, every other call
-# (and every refused step) on `_pallas_tpu`.
-refusal, run = decode_router(decode_refusal, _pallas_tpu, _decode, "tpu", engine_backward)
+def run(q, k, v, vis: _masking.Visibility, *, scale: float, interpret: bool):
+    """The paged kernel's forward, with the blockwise engine's gradient."""
+    kernel = functools.partial(_decode, scale=float(scale), interpret=bool(interpret))
+    return engine_backward(kernel, scale)(q, k, v, vis)
+
+
+# `"pallas_tpu"`'s decoding steps (`Path.decode`): the kernel reads the visible length
+# at run time, so a traced offset is fine; it sees the keys [0, length) of a sequence,
+# so no segment ids (and no left window edge: `limits`).
+DECODE = Path("pallas_tpu", kernel_run(run), platforms=("tpu",), interprets=True, limits=limits,
+              auto_limits=precision_refusal,
+              takes=frozenset({"logits_soft_cap", "window", "kv_lengths", "q_lengths", "query_offset",
+                               "traced_offset"}))
+decode_refusal = DECODE.refusal

@@ -33,9 +33,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_mha import _dispatch, _masking, _validate
+from jax_mha import _dispatch, _masking, _softmax, _validate
 
-IMPLEMENTATIONS = ("auto", "xla", "blockwise")
+# "auto" and the paths whose statistics are computed here (`Path.statistics`).
+IMPLEMENTATIONS = ("auto",) + tuple(name for name, path in _dispatch.REGISTRY.items() if path.statistics)
 BLOCK_SIZE = 512  # default query and key block of the blockwise path
 BLOCK_ELEMENTS = 2**22  # the default query block halves (down to 64 rows) until B·H·bq·bk fits this
 
@@ -132,9 +133,7 @@ def _first_pass(plan: _Plan, vis, q_i, k, bad_kv, i0):
     def update(j0, allowed, carry):
         m, l, touched = carry
         s = _logits(plan, vis, q_i, k, i0, j0, allowed)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no -inf - -inf on a row with nothing yet
-        l = l * jnp.exp(m - m_safe) + jnp.sum(jnp.exp(s - m_safe[..., None]), axis=-1)
+        m_new, l, _, _ = _softmax.online_step(m, l, s)
         if bad_kv is not None:
             bad = jnp.repeat(lax.dynamic_slice_in_dim(bad_kv, j0, plan.k_block, axis=2), plan.groups, axis=1)
             seen = bad[:, :, None, :] if allowed is None else allowed & bad[:, :, None, :]  # (B, H, bq, bk)
@@ -176,8 +175,7 @@ def _row_lse(plan: _Plan, vis, m, l, sinks, i0):
     with neither a visible key nor a sink; `empty` marks rows with no visible key."""
     empty = m == -jnp.inf
     lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
-    if sinks is not None:
-        lse = jnp.logaddexp(lse, sinks.astype(plan.dtype)[None, :, None])
+    lse = _softmax.with_sinks(jnp.zeros(lse.shape + (0,), lse.dtype), lse, sinks)[1]
     if vis.q_lengths is not None:
         rows = lax.broadcast_to_rank(i0 + jnp.arange(plan.q_block, dtype=jnp.int32), 3)  # (1, 1, bq)
         lse = jnp.where(rows < vis.q_lengths[..., 0], lse, -jnp.inf)
@@ -254,22 +252,6 @@ def _engine_description(vis: _masking.Visibility, batch: tuple, plan: _Plan) -> 
     )
 
 
-def _check_sinks(sinks, heads: int):
-    """`sinks` as an array `(H,)`, or None.
-
-    Raises:
-      TypeError: for a non-floating dtype. ValueError: for another shape.
-    """
-    if sinks is None:
-        return None
-    sinks = jnp.asarray(sinks)
-    if not jnp.issubdtype(sinks.dtype, jnp.floating):
-        raise _validate.DTypeError(f"sinks must be floating (one logit per query head), got dtype {sinks.dtype}")
-    if sinks.shape != (heads,):
-        raise ValueError(f"sinks must have shape (H,) = ({heads},), one logit per query head, got {sinks.shape}")
-    return sinks
-
-
 def _check_blocks(implementation, query_block_size, key_block_size) -> str:
     """The implementation name (None is "auto"), the block sizes checked.
 
@@ -286,10 +268,11 @@ def _check_blocks(implementation, query_block_size, key_block_size) -> str:
 
 
 def _blocks(path: str, n: int, s: int, rows: int, query_block_size, key_block_size) -> tuple[int, int]:
-    """`(q_block, k_block)`: the whole N x S for "xla"; for "blockwise" the sizes given,
-    else `BLOCK_SIZE` square blocks, the query block halved (not below 64) while the
-    `rows` (B·H) score blocks hold more than `BLOCK_ELEMENTS`; clamped to N and S."""
-    if path == "xla":
+    """`(q_block, k_block)`: the whole N x S on a path of whole scores
+    (`Path.statistics == "whole"`); in blocks the sizes given, else `BLOCK_SIZE` square
+    blocks, the query block halved (not below 64) while the `rows` (B·H) score blocks
+    hold more than `BLOCK_ELEMENTS`; clamped to N and S."""
+    if _dispatch.REGISTRY[path].statistics == "whole":
         return n, s
     k_block = min(s, BLOCK_SIZE if key_block_size is None else int(key_block_size))
     if query_block_size is not None:
@@ -316,11 +299,15 @@ def _empty_result(q, k, vis, sinks, dtype) -> dict:
 
 
 def _run(path, q, k, v, vis, sinks, scale, blocks) -> dict:
-    """`path` ("xla" or "blockwise") on validated inputs; the public layout in and out."""
+    """`path` (one of `IMPLEMENTATIONS` but "auto") on validated inputs; the public
+    layout in and out. Every row of a head whose sink is not finite is NaN."""
     batch, (heads, n, d), (kv_heads, s) = q.shape[:-3], q.shape[-3:], k.shape[-3:-1]
     b = math.prod(batch)
     dtype = _masking.compute_dtype(q.dtype)
-    q, k, v, bad_q, bad_kv = _dispatch.sanitize(q, k, v)
+    q, k, v, bad_q, bad_kv = _softmax.sanitize(q, k, v)
+    sinks, bad_heads = _softmax.sanitize_sinks(sinks)
+    if sinks is not None:
+        bad_q = bad_q | lax.broadcast_to_rank(bad_heads, bad_q.ndim)
     q_block, k_block = _blocks(path, n, s, b * heads, *blocks)
     plan = _Plan(n, s, -(-n // q_block) * q_block, -(-s // k_block) * k_block, heads, heads // kv_heads, q_block,
                  k_block, float(scale), dtype.name)
@@ -331,8 +318,15 @@ def _run(path, q, k, v, vis, sinks, scale, blocks) -> dict:
     entropy, top, lse, received = _statistics_jit(plan, _engine_description(vis, batch, plan), q_e, k_e, bad_q,
                                                   bad_kv, sinks)
     rows = lambda x: x[..., :n].reshape(batch + (heads, n))
-    return {"entropy": rows(entropy), "max_weight": rows(top), "received": received[..., :s].reshape(
-        batch + (heads, s)), "lse": rows(lse)}
+    entropy, top, lse = rows(entropy), rows(top), rows(lse)
+    if sinks is not None:  # a bad sink's head: every row, also those that see no key
+        bad = lax.broadcast_to_rank(bad_heads, entropy.ndim)
+        entropy, top, lse = (jnp.where(bad, jnp.nan, x) for x in (entropy, top, lse))
+    # Rounding can step just past the bounds (a one-hot row's entropy of -1e-8).
+    entropy = jnp.clip(entropy, 0.0, math.log(s))
+    top = jnp.clip(top, 0.0, 1.0)
+    return {"entropy": entropy, "max_weight": top, "received": received[..., :s].reshape(batch + (heads, s)),
+            "lse": lse}
 
 
 def attention_statistics(
@@ -417,7 +411,7 @@ def attention_statistics(
       implementation: `"xla"` (the whole `(B…, H, N, S)` scores in one block),
         `"blockwise"` (query blocks x key blocks, memory linear in N and S), or
         `"auto"`/None: `"xla"` while the whole scores fit
-        `jax_mha._dispatch.whole_scores_fit`, else `"blockwise"`.
+        `WHOLE_SCORES_MAX_BYTES`, else `"blockwise"`.
       query_block_size: the blockwise path's query block (None: 512, halved down to 64
         while `B·H·q_block·k_block` exceeds 2**22 elements); ignored by `"xla"`.
       key_block_size: the blockwise path's key block (None: 512); ignored by `"xla"`.
@@ -444,10 +438,10 @@ def attention_statistics(
                              kv_segment_ids=kv_segment_ids, score_mod=score_mod, mask_mod=mask_mod,
                              logits_soft_cap=logits_soft_cap)
     scale = _validate.check_options(scale, 0.0, None, True, "zero", is_causal, q.shape[-1])
-    sinks = _check_sinks(sinks, q.shape[-3])
+    sinks = _validate.check_sinks(sinks, q.shape[-3])
     sinks = None if sinks is None else lax.stop_gradient(sinks)
     if path == "auto":
-        path = "xla" if _dispatch.whole_scores_fit(q, k) else "blockwise"
+        path = _dispatch.pure_path(vis, _masking.Call(q, k, v))
     if q.shape[-2] == 0 or k.shape[-2] == 0 or 0 in q.shape[:-3]:
         return _empty_result(q, k, vis, sinks, _masking.compute_dtype(q.dtype))
     return _run(path, q, k, v, vis, sinks, scale, (query_block_size, key_block_size))

@@ -13,6 +13,7 @@ import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_mha import _masking
 
@@ -246,7 +247,9 @@ def check_sinks(sinks, num_heads: int):
     """Attention sinks: None, or float `(H,)`, one logit per query head.
 
     Raises:
-      TypeError: for a non-floating array. ValueError: for a shape other than `(H,)`.
+      TypeError: for a non-floating dtype. ValueError: for another shape, or a
+        concrete non-finite sink (traced ones make every row of their head NaN on
+        every path: `jax_mha._softmax.sanitize_sinks`).
     """
     if sinks is None:
         return None
@@ -255,6 +258,11 @@ def check_sinks(sinks, num_heads: int):
         raise DTypeError(f"sinks must be floating (one logit per head), got dtype {sinks.dtype}")
     if sinks.shape != (num_heads,):
         raise ValueError(f"sinks must have shape (H,) = ({num_heads},), one logit per query head, got {sinks.shape}")
+    if not isinstance(sinks, jax.core.Tracer):
+        bad = np.flatnonzero(~np.isfinite(np.asarray(sinks, np.float64)))
+        if bad.size:
+            raise ValueError(f"sinks must be finite, got {float(sinks[bad[0]])} for head {bad[0]} (a head without a "
+                             "sink is not expressible: leave sinks out, or give it a very negative logit)")
     return sinks
 
 

@@ -40,8 +40,12 @@ from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
+
 from jax_mha._flash import check_description, mask_mod_ranges, run_engine
 from jax_mha._masking import Visibility
+from jax_mha._path import EVERY_PART, Path
+from jax_mha._softmax import with_sinks
 
 QUERY_BLOCK_SIZE, KEY_BLOCK_SIZE = 2048, 256  # without a pattern to skip by
 PATTERN_BLOCK_SIZE = 512  # square blocks with a causal or window pattern
@@ -121,12 +125,18 @@ def run_blockwise(q, k, v, vis: Visibility, *, scale: float, query_block_size=No
     return run_engine(q, k, v, vis, scale=scale, q_block=min(q_block, n), k_block=min(k_block, s), bad_kv=bad_kv)
 
 
-def refusal(vis: Visibility, call) -> str | None:
-    """Why `"blockwise"` cannot run this call, or None: it never builds the weights,
-    so neither returns them nor drops them out."""
-    if call.return_weights:
-        return ("return_weights=True needs implementation='xla': the blockwise path exists to never build the "
-                "(B…, H, N, S) weights")
-    if call.dropout:
-        return "dropout on the weights is not supported by implementation='blockwise'; use 'xla'"
-    return None
+def run(q, k, v, bad_kv, vis: Visibility, call, *, scale: float, blocks, **_):
+    """The `"blockwise"` path (`Path.run`): `run_blockwise` with `blocks`
+    `(query_block_size, key_block_size)`, each None for the default, and the sinks
+    merged in."""
+    del call
+    out, lse, touched = run_blockwise(q, k, v, vis, query_block_size=blocks[0], key_block_size=blocks[1],
+                                      scale=scale, bad_kv=bad_kv)
+    empty = lse == jnp.inf  # the engine's mark of a row with no visible key
+    out, lse = with_sinks(out, jnp.where(empty, -jnp.inf, lse), vis.sinks)
+    return out, None, lse, empty, touched
+
+
+# It never builds the weights, so it neither returns them nor drops them out.
+PATH = Path("blockwise", run, takes=EVERY_PART - {"return_weights", "dropout"}, statistics="blocks")
+refusal = PATH.refusal

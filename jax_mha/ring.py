@@ -42,6 +42,7 @@ contiguous split is kept and the ring stops after the last step any window reach
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Callable, NamedTuple
@@ -51,7 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_mha import _masking, _validate
+from jax_mha import _masking, _softmax, _validate
 from jax_mha._masking import Call, Visibility, block_allowed, key_range, score_logits
 
 QUERY_CHUNK = 512  # rows and keys per score tile inside a ring step (memory: chunk² per head)
@@ -213,12 +214,9 @@ def _fold(ring: _Ring, vis: Visibility, dev: _Device, state, tile: _Tile):
         s = score_logits(vis, _raw_scores(ring, tile), dev.heads, *tile.rows_cols())
         s = s if allowed is None else jnp.where(allowed, s, -jnp.inf)
         s = s.reshape(m.shape + s.shape[-1:])  # (B, K, G, c, c)
-        m_new = jnp.maximum(m, s.max(-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with nothing seen yet
-        p = jnp.exp(s - m_safe[..., None])
-        correction = jnp.exp(m - m_safe)
+        m, l, p, correction = _softmax.online_step(m, l, s)
         pv = jnp.einsum("bkgns,bksd->bkgnd", p, tile.v.astype(_F(ring)))
-        return m_new, l * correction + p.sum(-1), acc * correction[..., None] + pv
+        return m, l, acc * correction[..., None] + pv
 
     return _when_any(allowed, update, state)
 
@@ -350,18 +348,7 @@ def _forward(ring: _Ring, a: _Arrays):
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
     out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
     heads = lambda x: _unchunk(x, 3).reshape((b, h, n) + x.shape[5:])  # (B, K, G, n, …) → (B, H, n, …)
-    return _with_sinks(heads(out), heads(lse), a.sinks)
-
-
-def _with_sinks(out, lse, sinks):
-    """`(out (B, H, n, Dv), lse (B, H, n))` over the keys, with each head's sink (float
-    `(H,)`, or None) added to the denominator: a key of logit `sinks[h]` and value
-    zero only rescales the row, by its share `exp(lse - lse')` of the new total."""
-    if sinks is None:
-        return out, lse
-    total = jnp.logaddexp(lse, sinks.astype(lse.dtype)[None, :, None])
-    share = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(lse - total))  # no key seen: out is 0 already
-    return out * share[..., None], total
+    return _softmax.with_sinks(heads(out), heads(lse), a.sinks)
 
 
 def _backward_step(ring: _Ring, a: _Arrays, dev: _Device, queries, t, state, travel):
@@ -679,9 +666,14 @@ def _attend(q, k, v, call: Call, *, mask=None, bias=None, mesh: Mesh, axis_name:
     if reason is not None:
         raise ValueError(reason)
     scale = _validate.check_options(scale, 0.0, None, True, "zero", vis.is_causal, q.shape[-1])
+    sinks, bad_heads = _softmax.sanitize_sinks(vis.sinks)
+    vis = dataclasses.replace(vis, sinks=sinks)
     ring, a = _plan(vis, q, k, v, mesh=mesh, axis_name=axis_name, scale=scale, query_chunk_size=query_chunk_size,
                     batch_axis_name=batch_axis_name, head_axis_name=head_axis_name)
     out, lse = _ring(ring, a)
+    if sinks is not None:  # a non-finite sink: every row of its head NaN, as on every path
+        bad = lax.broadcast_to_rank(bad_heads, lse.ndim)
+        out, lse = jnp.where(bad[..., None], jnp.nan, out), jnp.where(bad, jnp.nan, lse)
     if vis.q_lengths is not None:  # a cut row sees no key, but its sink would still count
         rows = jnp.arange(ring.n, dtype=jnp.int32).reshape(1, 1, -1)
         lse = jnp.where(rows < vis.q_lengths[..., 0], lse, -jnp.inf)
@@ -697,6 +689,8 @@ def ring_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
+    mask: jax.Array | None = None,
+    bias: jax.Array | None = None,
     *,
     mesh: Mesh,
     axis_name: str = "sequence",
@@ -732,6 +726,8 @@ def ring_attention(
         with `PartitionSpec(None, None, axis_name, None)`.
       k: `(B, K, N, D)` keys; GQA when `K < H` (groups of `H // K` query heads).
       v: `(B, K, N, Dv)` values.
+      mask, bias: refused by name (a `ValueError`): taken only so that a call written
+        for `attention` fails with the reason.
       mesh: the device mesh; `axis_name` must be one of its axes.
       axis_name: the mesh axis the sequence is split over.
       is_causal: key `j` visible to query `i` only when `j <= i`.
@@ -787,7 +783,8 @@ def ring_attention(
     again); forward mode (`jvp`) is not supported by the custom VJP.
     """
     out, lse = _attend(
-        q, k, v, Call(q, k, v, return_residual=bool(return_residual)), mesh=mesh, axis_name=axis_name, scale=scale,
+        q, k, v, Call(q, k, v, return_residual=bool(return_residual)), mask=mask, bias=bias, mesh=mesh,
+        axis_name=axis_name, scale=scale,
         query_chunk_size=query_chunk_size, batch_axis_name=batch_axis_name, head_axis_name=head_axis_name,
         is_causal=is_causal, local_window_size=local_window_size, q_lengths=q_lengths, kv_lengths=kv_lengths,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, score_mod=score_mod, mask_mod=mask_mod,

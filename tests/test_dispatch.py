@@ -4,6 +4,7 @@ isolation, empty rows, padding rows) around a kernel that knows nothing of them.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import types
 
@@ -13,8 +14,9 @@ import numpy as np
 import pytest
 from conftest import np_allowed, np_attention
 
-from jax_mha import _cudnn, _dispatch, _masking, attention
+from jax_mha import _cudnn, _dispatch, _masking, _pallas_common, attention
 from jax_mha._dense import reference_weights
+from jax_mha._path import EVERY_PART
 
 B, H, K, N, S, D = 2, 6, 3, 7, 11, 5
 
@@ -41,6 +43,21 @@ def fake_kernel(refuses=None):
     return types.SimpleNamespace(refusal=lambda vis, call: refuses, run=run, seen=seen)
 
 
+def install(monkeypatch, fakes, absent=None):
+    """Swaps the registered Pallas paths for the fake kernels `fakes` (by name; the rest
+    get `absent`): each takes every part, refuses with its `refusal` and runs its `run`
+    as the path's kernel, on the path's own platforms."""
+    for name, path in _dispatch.REGISTRY.items():
+        if not path.platforms or name == "cudnn":
+            continue
+        fake = fakes.get(name, absent)
+        if fake is None:
+            continue
+        swapped = dataclasses.replace(path, run=_pallas_common.kernel_run(fake.run), takes=EVERY_PART,
+                                      limits=lambda vis, call, fake=fake: fake.refusal(vis, call), decode=None)
+        monkeypatch.setitem(_dispatch.REGISTRY, name, swapped)
+
+
 @pytest.mark.parametrize("platform, dtype, kernels, kw, expected", [
     ("cpu", jnp.float32, {}, {}, "xla"),
     ("cpu", jnp.bfloat16, {}, {}, "blockwise"),  # half precision: the engine, never the whole float32 scores
@@ -57,7 +74,7 @@ def test_auto_walks_the_platform_chain(monkeypatch, platform, dtype, kernels, kw
     if "return_weights" in kw:
         fakes["pallas_tpu"].refusal = lambda vis, call: "weights" if call.return_weights else None
     absent = fake_kernel("not this test's kernel")
-    monkeypatch.setattr(_dispatch, "kernel_module", lambda path: fakes.get(path, absent))
+    install(monkeypatch, fakes, absent)
     q, k, v = structs(dtype, d=64)
     call = _masking.Call(q, k, v, platform=platform, **kw)
     assert _dispatch.choose(_masking.Visibility(N, S), call, "auto") == expected
@@ -102,7 +119,7 @@ def test_kernel_paths_share_the_nan_isolation_and_empty_rows(rng, monkeypatch):
     dispatcher: a NaN in a key past `kv_lengths` or in another document reaches no
     row, rows with no key are zeros (or the mean of v), rows past `q_lengths` zeros."""
     fake = fake_kernel()
-    monkeypatch.setattr(_dispatch, "kernel_module", lambda path: fake)
+    install(monkeypatch, {}, fake)
     q = rng.standard_normal((B, H, N, D))
     k, v = rng.standard_normal((B, K, S, D)), rng.standard_normal((B, K, S, D))
     q_ids = np.array([[0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 2, 2, 2]])
@@ -151,7 +168,7 @@ def test_auto_chooses_for_every_lowering_platform(monkeypatch):
     the default backend is a CUDA GPU (jax.nn reads the GPU while it traces)."""
     fakes = {"pallas_tpu": fake_kernel(None), "pallas_gpu": fake_kernel("no")}
     fakes["pallas_tpu"].refusal = lambda vis, call: None if call.platform == "tpu" else "tpu only"
-    monkeypatch.setattr(_dispatch, "kernel_module", lambda path: fakes[path])
+    install(monkeypatch, fakes)
     vis, call = _masking.Visibility(N, S), _masking.Call(*structs(jnp.bfloat16, d=64), platform="gpu")
     choice = _dispatch.choose(vis, call, "auto")
     assert choice == "cudnn" and isinstance(choice, str)  # what a GPU host runs and reports
@@ -171,7 +188,7 @@ def test_auto_runs_this_platforms_branch_and_stages_the_kernels(monkeypatch, rng
     show) while the kernels are traced into their platforms' branches compiled, never
     interpreted; an eager call runs its own branch only and traces no kernel."""
     fake = garbage_kernel()
-    monkeypatch.setattr(_dispatch, "kernel_module", lambda path: fake)
+    install(monkeypatch, {}, fake)
     _dispatch._kernel_branch.clear_cache()  # its cache does not know the module was swapped
     q = rng.standard_normal((B, H, N, D))
     k, v = rng.standard_normal((B, K, S, D)), rng.standard_normal((B, K, S, D))

@@ -54,7 +54,7 @@ def _vis(b, h, n, s, **parts):
 ids = _masking.segments_at_rank(np.zeros((2, 11), np.int32), np.zeros((2, 11), np.int32), 1)
 # (label, Visibility parts, Call shape/flags, the words the refusal must contain)
 REFUSED = [
-    ("cpu", {}, dict(platform="cpu"), "runs compiled on a Hopper GPU only"),
+    ("cpu", {}, dict(platform="cpu"), "needs a GPU, this call runs on 'cpu'"),
     ("bfloat16", {}, dict(dtype="bfloat16"), "takes float16 only"),
     ("float32", {}, dict(dtype="float32"), "takes float16 only"),
     ("float64", {}, dict(dtype="float64"), "float64"),
@@ -102,9 +102,9 @@ def test_mgpu_refuses_the_machine(monkeypatch):
 
 
 def test_mgpu_is_named_only():
-    assert "pallas_mgpu" in _dispatch.PATHS and all("pallas_mgpu" not in c for c in _dispatch.AUTO_CHAIN.values())
+    assert "pallas_mgpu" in _dispatch.PATHS and all("pallas_mgpu" not in _dispatch.auto_chain(p) for p in ("gpu", "tpu"))
     q = jnp.zeros((1, 2, 5, 64), jnp.float16)
-    with pytest.raises(ValueError, match="pallas_mgpu' runs compiled on a Hopper GPU only"):
+    with pytest.raises(ValueError, match="pallas_mgpu' needs a GPU, this call runs on 'cpu'"):
         attention(q, q, q, implementation="pallas_mgpu")
 
 
@@ -278,7 +278,7 @@ def test_decode_kernel_lowers_for_cuda(dtype):
     def loss(q, k, v, index):
         vis = _vis(b, h, 1, s, is_causal=True, window=_masking.Window(40, None), q_offset=index,
                    kv_lengths=jnp.full((b, 1, 1, 1), 90, jnp.int32))
-        assert _pallas_gpu_decode.refusal(vis, call) is None
+        assert _pallas_gpu_decode.decode_refusal(vis, call) is None
         out = _pallas_gpu_decode.run(q, k, v, vis, scale=0.125, interpret=False)
         return out.astype(jnp.float32).sum()
 

@@ -124,7 +124,7 @@ def test_decode_kernel_lowers_for_tpu(dtype):
     def loss(q, k, v, index):
         vis = _masking.Visibility(1, s, True, q_offset=index, batch_shape=(b,), num_heads=h,
                                   kv_lengths=jnp.full((b, 1, 1, 1), 90, jnp.int32))
-        assert _pallas_tpu_decode.refusal(vis, _masking.Call(q, k, v, platform="tpu")) is None
+        assert _pallas_tpu_decode.decode_refusal(vis, _masking.Call(q, k, v, platform="tpu")) is None
         return _pallas_tpu_decode.run(q, k, v, vis, scale=d ** -0.5, interpret=False).astype(jnp.float32).sum()
 
     for f in (loss, jax.value_and_grad(loss, argnums=(0, 1, 2))):
@@ -201,15 +201,14 @@ def test_decode_takes_what_it_can():
 
 
 @pytest.mark.parametrize("parts", [dict(n=2), dict(q_segment_ids=ids[0], kv_segment_ids=ids[1])], ids=["n2", "seg"])
-def test_refused_steps_go_to_splash(monkeypatch, parts):
-    """A call the paged kernel refuses runs splash's `run`, with the same arguments."""
-    seen = []
-    monkeypatch.setattr(_pallas_tpu, "run", lambda q, k, v, vis, **kw: seen.append((q.shape, kw)) or q)
-    monkeypatch.setattr(_pallas_tpu_decode, "_decode", lambda *a, **kw: pytest.fail("the paged kernel ran"))
+def test_refused_steps_go_to_splash(parts):
+    """A call the paged kernel refuses runs on splash (the registered path's `pick`);
+    a step it takes on the paged kernel."""
     n = parts.get("n", 1)
-    q, k, v = jnp.zeros((2, 4, n, 64)), jnp.zeros((2, 2, 37, 64)), jnp.zeros((2, 2, 37, 64))
-    _pallas_tpu_decode.run(q, k, v, _vis(**parts), scale=0.125, interpret=True)
-    assert seen == [((2, 4, n, 64), dict(scale=0.125, interpret=True))]
+    call = _call(n=n)
+    path = _dispatch.REGISTRY["pallas_tpu"]
+    assert path.pick(_vis(**parts), call) is path and path.run is _pallas_tpu.PATH.run
+    assert path.pick(_vis(), _call()) is path.decode is _pallas_tpu_decode.DECODE
 
 
 def test_pages_are_a_reshape():

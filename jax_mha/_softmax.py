@@ -1,0 +1,141 @@
+"""The softmax recurrence every path shares, and the steps around it.
+
+- `online_step`: one block of scores folded into a row's running maximum and
+  normaliser (the online softmax of FlashAttention), called by the blockwise engine
+  (`_flash`), ring attention (`ring`) and the statistics (`_statistics`).
+- `with_sinks`: attention over the real keys merged with each head's sink, a key of
+  logit `sinks[h]` and value zero (`merge_attentions` with a zero part).
+- `sanitize` before any path and `finish` / `finish_lse` after it: non-finite inputs
+  replaced and the rows that see them marked, then those rows NaN, the empty-row
+  policy, zeros past `q_lengths`. A non-finite sink is a non-finite input of every row
+  of its head: those rows are NaN on every path.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def online_step(m, l, s):
+    """Folds a block of scores into the running softmax of each row.
+
+    Args:
+      m: the running maximum `(…, rows)` (-inf on a row that has seen nothing).
+      l: the running normaliser `(…, rows)`, relative to `m`.
+      s: the block's logits `(…, rows, keys)`, -inf where masked.
+
+    Returns:
+      `(m_new, l_new, p (…, rows, keys), correction (…, rows))`: `p = exp(s - m_new)`
+      (0 where masked) and `correction = exp(m - m_new)`, which rescales anything
+      accumulated against the old maximum (`acc * correction + p · v`).
+    """
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no -inf - -inf on a row with nothing yet
+    p = jnp.exp(s - m_safe[..., None])
+    correction = jnp.exp(m - m_safe)
+    return m_new, l * correction + jnp.sum(p, axis=-1), p, correction
+
+
+def with_sinks(out, lse, sinks):
+    """Attention over the real keys `(out (B…, H, N, Dv), lse (B…, H, N))` merged with
+    each head's sink (`sinks (H,)`, finite): out shrinks by the sink's share, lse gains
+    its term. Differentiable in all three; `sinks` None returns the inputs. A row with
+    no visible key (lse -inf) becomes the sink alone: out 0, lse `sinks[h]`."""
+    if sinks is None:
+        return out, lse
+    sink = jnp.broadcast_to(jax.lax.broadcast_to_rank(sinks.astype(lse.dtype)[:, None], lse.ndim), lse.shape)
+    merged = jnp.logaddexp(lse, sink)
+    return out * jnp.exp(lse - merged)[..., None].astype(out.dtype), merged
+
+
+def sanitize(q, k, v):
+    """Zeroes non-finite entries so no matmul ever multiplies 0 by NaN or inf.
+
+    Returns:
+      `(q, k, v, bad_q (B…, H, N), bad_kv (B…, K, S))`: the finite arrays, the query
+      rows with a non-finite entry and the keys whose key or value has one. A row
+      that may see a bad key, or whose query is bad, is set to NaN by `finish`; every
+      other row is exactly what it would be without them.
+    """
+    finite = [jnp.isfinite(x) for x in (q, k, v)]
+    clean = [jnp.where(ok, x, jnp.zeros((), x.dtype)) for ok, x in zip(finite, (q, k, v))]
+    bad_q = ~jnp.all(finite[0], axis=-1)
+    bad_kv = ~(jnp.all(finite[1], axis=-1) & jnp.all(finite[2], axis=-1))
+    return (*clean, bad_q, bad_kv)
+
+
+def sanitize_sinks(sinks):
+    """`(sinks, bad_heads)`: non-finite sinks `(H,)` replaced by 0, and bool `(H, 1)`
+    marking their heads, every row of which `finish` sets to NaN (a row's softmax
+    always includes its sink); `(None, False)` without sinks."""
+    if sinks is None:
+        return None, False
+    finite = jnp.isfinite(sinks)
+    return jnp.where(finite, sinks, jnp.zeros((), sinks.dtype)), ~finite[:, None]
+
+
+def poisoned_rows(touched, bad_q, empty, bad_heads=False):
+    """bool `(B…, H, N)`: the rows `finish` sets to NaN: those that may see a bad key
+    (`touched`) or whose query is bad, unless they see no key at all (`empty`), and
+    every row of a head whose sink is non-finite (`bad_heads (H, 1)`)."""
+    rows = (touched | bad_q) & ~empty
+    return rows if bad_heads is False else rows | jax.lax.broadcast_to_rank(bad_heads, rows.ndim)
+
+
+def finish(out, weights, empty, poisoned, v, bad_kv, q_lengths, empty_rows, has_sinks: bool = False):
+    """The empty-row policy, NaN for `poisoned` rows (`poisoned_rows`), zeros past
+    `q_lengths` (int32 `(B…|1, 1, 1, 1)`, the description's, or None).
+
+    With sinks no row is empty (the sink is always visible): a row with no real key
+    attends to its sink alone, output 0, under either policy, so `empty_rows` never
+    contradicts the row's log-sum-exp.
+
+    Args:
+      out: `(B…, H, N, Dv)`; weights: `(B…, H, N, S)` or None; empty, poisoned: bool
+      `(B…, H, N)`; v: `(B…, K, S, Dv)` (finite); bad_kv: bool `(B…, K, S)`.
+    """
+    *batch, h, n, _ = out.shape
+    s = v.shape[-2]
+    if empty_rows == "uniform" and s and not has_sinks:
+        groups = h // v.shape[-3]
+        mean_v = jnp.repeat(jnp.mean(v.astype(out.dtype), axis=-2, keepdims=True), groups, axis=-3)
+        out = jnp.where(empty[..., None], mean_v, out)  # (B…, H, N, Dv)
+        if weights is not None:
+            weights = jnp.where(empty[..., None], jnp.asarray(1.0 / s, weights.dtype), weights)
+        # A uniform row averages every key and value, the non-finite ones too.
+        head_bad = jnp.repeat(jnp.any(bad_kv, axis=-1), groups, axis=-1)[..., None]  # (B…, H, 1)
+        poisoned = poisoned | (empty & head_bad)
+    # A poisoned row is a constant NaN: gradients flow only through the clean rows.
+    poisoned = poisoned[..., None]
+    out = jnp.where(poisoned, jnp.nan, out)
+    if weights is not None:
+        weights = jnp.where(poisoned, jnp.nan, weights)
+    if q_lengths is not None:
+        row_ok = _before_length(n, q_lengths)
+        out = jnp.where(row_ok[..., None], out, 0.0)
+        if weights is not None:
+            weights = jnp.where(row_ok[..., None], weights, 0.0)
+    return out, weights
+
+
+def finish_lse(lse, poisoned, q_lengths, n: int):
+    """The log-sum-exp, float32: NaN on poisoned rows, -inf past `q_lengths`."""
+    lse = jnp.where(poisoned, jnp.nan, lse.astype(jnp.float32))
+    if q_lengths is not None:
+        lse = jnp.where(_before_length(n, q_lengths), lse, -jnp.inf)
+    return lse
+
+
+def _before_length(n: int, q_lengths):
+    """bool `(B…|1, 1, N)`: query rows before `q_lengths` (int32 `(B…|1, 1, 1, 1)`)."""
+    lengths = q_lengths[..., 0]  # (B…|1, 1, 1)
+    return jax.lax.broadcast_to_rank(jnp.arange(n), lengths.ndim) < lengths
+
+
+def empty_attention(q, k, v, return_weights: bool, dtype):
+    """`(out, weights or None, lse)` for N == 0, S == 0 or an empty batch: zeros, lse -inf."""
+    batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3])
+    out = jnp.zeros(batch + q.shape[-3:-1] + v.shape[-1:], dtype)
+    weights = jnp.zeros(batch + q.shape[-3:-1] + (k.shape[-2],), out.dtype) if return_weights else None
+    return out, weights, jnp.full(out.shape[:-1], -jnp.inf, jnp.float32)
