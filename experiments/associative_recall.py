@@ -4,8 +4,9 @@ The copy task is solved by every head count (one fixed offset, which one head wi
 learned positions expresses exactly): a null by construction. Here the keys are two
 tokens long (`jax_mha.lab.data.RecallTaskConfig`, after Arora et al. 2023,
 "Zoology"), so a small decoder must gather both key tokens by position and then
-match them by content. Queries draw keys with repeats, so no answer
-can be had by elimination ("a value of a pair not yet asked"). Every head count trains
+match them by content. Queries draw keys with repeats, so elimination ("a value of
+a pair not yet asked") is no shortcut: it scores below answering the row's most common
+value, the best answer without key lookup (`reference_lines`). Every head count trains
 the same fixed step budget, d_model fixed (small: 16-64), several seeds in one vmapped
 program. The outcome per h is the share of seeds that solve the task (final held-out
 recall accuracy >= 0.9) with a Wilson interval; beside it the area under the held-out

@@ -87,6 +87,10 @@ def test_recall_table_counts_solved_seeds_with_wilson():
     low, high = stats.wilson_interval(3, 4)
     assert f"| 3/4 [{low:.2f}, {high:.2f}] |" in report.render(data, "table")
     assert "elimination" in report.render(data, "reference") and "0.125" in report.render(data, "reference")
+    assert "best line without any key lookup, always the most common value among the row's pairs, 0.300, and below " \
+           "it the elimination strategy" in report.render(data, "reference")  # the higher of the two is the best
+    flipped = {**data, "reference": {**data["reference"], "elimination": 0.48}}
+    assert "best line without any key lookup, the elimination strategy" in report.render(flipped, "reference")
     assert report.render(data, "comparisons").count("Holm p ") == 2
 
 

@@ -140,8 +140,12 @@ class RecallTaskConfig:
     the query-after-all-pairs layout here cannot copy without the shortcut below). The earlier variant,
     every key asked exactly once (`queries_with_replacement=False`, Q = N), had a
     shortcut: the answer is a value of a pair not yet asked, so "the most common value
-    among the pairs not yet asked" beats chance without any key lookup. With repeats,
-    which keys are still to come is not known, and the shortcut falls to about chance.
+    among the pairs not yet asked" beats chance without any key lookup. With repeats an
+    asked key can be asked again, so setting asked pairs aside can discard the answer:
+    at the defaults the elimination strategy scores 0.287 (against chance 1/8 = 0.125),
+    below simply answering the row's most common value (0.325), the best answer without
+    key lookup (`experiments.associative_recall.reference_lines`, 4,096 rows;
+    docs/results/data/recall_mqar.json).
 
     Why one head is not enough: to answer, the query position must find the context
     position whose *two* preceding tokens match its own two, by content. In a small
