@@ -41,12 +41,11 @@ import jax.numpy as jnp
 
 from jax_mha._masking import Call, Visibility, Window, dense_allowed
 from jax_mha._pallas_common import kernel_run, this_gpu
-from jax_mha._path import Path
+from jax_mha._path import Path, fallback
 
 # The most elements of the dense (B, H, N, S) mask or bias this path builds: with the
 # bias cuDNN is given and the gradient it returns, a few bytes each.
 DENSE_MAX_ELEMENTS = 2**24
-_USE = "use implementation='xla' or 'blockwise'"
 
 
 class Plan(NamedTuple):
@@ -95,20 +94,20 @@ def _device_refusal(call: Call) -> str | None:
     """The GPU's own limits: CUDA only, Ampere or later, head_dim and dtype."""
     name = "implementation='cudnn'"
     if call.platform != "gpu":
-        return f"{name} needs a GPU, this call runs on {call.platform!r}; {_USE}"
+        return f"{name} needs a GPU, this call runs on {call.platform!r}; {fallback()}"
     gpu = this_gpu()
     if gpu is not None and gpu[0] != "cuda":
-        return f"{name} needs an NVIDIA GPU (jax registers its cuDNN attention for CUDA only), this one is ROCm; {_USE}"
+        return f"{name} needs an NVIDIA GPU (jax registers its cuDNN attention for CUDA only), this one is ROCm; {fallback()}"
     if gpu is not None and gpu[1] and gpu[1] < (8, 0):
-        return f"{name} needs compute capability >= 8.0 (cuDNN flash attention), got {gpu[1]}; {_USE}"
+        return f"{name} needs compute capability >= 8.0 (cuDNN flash attention), got {gpu[1]}; {fallback()}"
     if jnp.dtype(call.q.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
-        return f"{name} needs float16 or bfloat16 inputs, got {call.q.dtype}; {_USE}"
+        return f"{name} needs float16 or bfloat16 inputs, got {call.q.dtype}; {fallback()}"
     d = call.q.shape[-1]
     most = 256 if gpu is not None and gpu[1] >= (9, 0) else 128
     if d > most or d % 8:
-        return f"{name} needs head_dim <= {most} and a multiple of 8 (256 from Hopper on), got D={d}; {_USE}"
+        return f"{name} needs head_dim <= {most} and a multiple of 8 (256 from Hopper on), got D={d}; {fallback()}"
     if call.v.shape[-1] != d:
-        return f"{name} needs equal q/k and v head dims, got {d} and {call.v.shape[-1]}; {_USE}"
+        return f"{name} needs equal q/k and v head dims, got {d} and {call.v.shape[-1]}; {fallback()}"
     return None
 
 
@@ -124,7 +123,7 @@ def limits(vis: Visibility, call: Call) -> str | None:
         shape = (*batch, call.q.shape[-3], vis.n, vis.s)
         if math.prod(shape) > DENSE_MAX_ELEMENTS:
             return (f"implementation='cudnn' takes {', '.join(parts)} only as a dense (B…, H, N, S) = {shape} mask, "
-                    f"{math.prod(shape):,} elements > 2**24; {_USE}")
+                    f"{math.prod(shape):,} elements > 2**24; {fallback()}")
     return None
 
 

@@ -27,8 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mha import _masking, blockwise
-
-_USE = "use implementation='xla' or 'blockwise'"
+from jax_mha._path import fallback
 
 
 @functools.cache
@@ -70,12 +69,12 @@ def pallas_limits(label: str, call: _masking.Call) -> str | None:
     (their softmax is float32) and kv heads K not dividing the query heads H."""
     dtypes = {jnp.dtype(x.dtype) for x in (call.q, call.k, call.v)}
     if len(dtypes) > 1:
-        return f"{label} needs one dtype for q, k and v, got {sorted(map(str, dtypes))}; {_USE}"
+        return f"{label} needs one dtype for q, k and v, got {sorted(map(str, dtypes))}; {fallback()}"
     if jnp.dtype(call.q.dtype) == jnp.float64:
-        return f"{label} computes its softmax in float32, too coarse for float64 inputs; {_USE}"
+        return f"{label} computes its softmax in float32, too coarse for float64 inputs; {fallback()}"
     h, kh = call.q.shape[-3], call.k.shape[-3]
     if kh == 0 or h % kh:
-        return f"{label} needs kv heads K dividing query heads H, got H={h}, K={kh}; {_USE}"
+        return f"{label} needs kv heads K dividing query heads H, got H={h}, K={kh}; {fallback()}"
     return None
 
 
@@ -169,10 +168,10 @@ def mesh_refusal(name: str, call: _masking.Call) -> str | None:
     h, kh = call.q.shape[-3], call.k.shape[-3]
     if batch_axis is not None and batch % mesh.shape[batch_axis]:
         return (f"{name} splits the batch over the mesh axis {batch_axis!r} of size {mesh.shape[batch_axis]}, which "
-                f"does not divide the flattened batch {batch}; {_USE}")
+                f"does not divide the flattened batch {batch}; {fallback()}")
     if head_axis is not None and kh % mesh.shape[head_axis]:
         return (f"{name} splits the heads over the mesh axis {head_axis!r} of size {mesh.shape[head_axis]}, which "
-                f"does not divide the kv heads K={kh} (H={h}); {_USE}")
+                f"does not divide the kv heads K={kh} (H={h}); {fallback()}")
     return None
 
 

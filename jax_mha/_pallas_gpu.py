@@ -52,7 +52,6 @@ import numpy as np
 
 from jax_mha import _masking
 from jax_mha._pallas_common import (
-    _USE,
     causal_past_last_key,
     flat_batch,
     flat_ids,
@@ -66,7 +65,7 @@ from jax_mha._pallas_common import (
     static_int,
     without_x64,
 )
-from jax_mha._path import Path
+from jax_mha._path import Path, fallback
 
 NAME = "implementation='pallas_gpu'"
 DEFAULT_BLOCK = 128  # the kernel's own forward block (BlockSizes.get_default())
@@ -138,7 +137,7 @@ def positions(lay: Layout, n: int) -> np.ndarray:
 def limits(vis: _masking.Visibility, call: _masking.Call) -> str | None:
     """What the Triton kernel cannot take beyond its parts (`PATH.takes`): one line
     naming it and the paths to use instead, or None. See the module docstring."""
-    use = _USE
+    use = fallback()
     why = pallas_limits(NAME, call)
     if why is not None:
         return why
@@ -167,7 +166,7 @@ def _segment_refusal(vis: _masking.Visibility, lay: Layout) -> str | None:
         if n == s and vis.segments_shared and np.array_equal(pos, np.arange(lay.skip, n)):
             return None  # self-attention with the keys' ids the queries' own array
         return (f"{NAME} reads one segment-id array for queries and keys; traced ids are taken only for "
-                f"self-attention with kv_segment_ids left out (here N={n}, S={s}); use 'xla' or 'blockwise'")
+                f"self-attention with kv_segment_ids left out (here N={n}, S={s}); {fallback()}")
     q_ids = np.asarray(vis.q_segment_ids)[..., 0, :, 0]  # (B…|1, N)
     kv_ids = np.asarray(vis.kv_segment_ids)[..., 0, 0, :]  # (B…|1, S)
     q_ids, kv_ids = np.broadcast_arrays(q_ids[..., lay.skip:], kv_ids[..., pos])
@@ -175,7 +174,7 @@ def _segment_refusal(vis: _masking.Visibility, lay: Layout) -> str | None:
     if len(bad):
         i = tuple(bad[0])
         return (f"{NAME} reads one segment-id array for queries and keys: query row {i[-1] + lay.skip} has id "
-                f"{q_ids[i]} but sits on key {pos[i[-1]]} of id {kv_ids[i]}; use 'xla' or 'blockwise'")
+                f"{q_ids[i]} but sits on key {pos[i[-1]]} of id {kv_ids[i]}; {fallback()}")
     return None
 
 

@@ -68,10 +68,9 @@ from jax_mha._pallas_common import (
     this_gpu,
     without_x64,
 )
-from jax_mha._path import Path
+from jax_mha._path import Path, fallback
 
 NAME = "implementation='pallas_mgpu'"
-_USE = "use implementation='cudnn', 'pallas_gpu', 'xla' or 'blockwise'"
 BLOCK_Q = 64  # rows per compute warpgroup; the kernel runs two, so queries come in tiles of 128
 HEAD_DIM_TILE = 64  # the kernel's head_dim must be a multiple of this
 MAX_HEAD_DIM = 256  # shared memory holds q, two k and two v tiles of this width
@@ -126,21 +125,21 @@ def shape_limits(vis: _masking.Visibility, call: _masking.Call) -> str | None:
     alone (the machine is `device_refusal`'s): one line naming it, or None."""
     d, dv = call.q.shape[-1], call.v.shape[-1]
     if dv != d:
-        return f"{NAME} needs equal q/k and v head dims, got {d} and {dv}; {_USE}"
+        return f"{NAME} needs equal q/k and v head dims, got {d} and {dv}; {fallback()}"
     if jnp.dtype(call.q.dtype) != jnp.float16:
         return (f"{NAME} takes float16 only (its shared-memory tiles are float16; bfloat16 fails Mosaic's "
-                f"lowering), got {call.q.dtype}; {_USE}")
+                f"lowering), got {call.q.dtype}; {fallback()}")
     n, s = vis.n, vis.s
     if n == 0 or s == 0:
         return None
     offset = static_int(vis.offset)
-    past = causal_past_last_key(vis, NAME, _USE)
+    past = causal_past_last_key(vis, NAME, fallback())
     if past is not None:
         return past
     lay = layout(n, s, d, vis.is_causal, offset)
     if lay.d_pad > MAX_HEAD_DIM:
         extra = f" (head_dim {d} plus the column that masks padding keys, S={s} not a multiple of 64)" * lay.pad_column
-        return f"{NAME} takes head_dim up to {MAX_HEAD_DIM} after padding to a multiple of 64, got {lay.d_pad}{extra}; {_USE}"
+        return f"{NAME} takes head_dim up to {MAX_HEAD_DIM} after padding to a multiple of 64, got {lay.d_pad}{extra}; {fallback()}"
     return None
 
 
@@ -159,16 +158,16 @@ def device_refusal(is_causal: bool) -> str | None:
     miscompilation; or None."""
     gpu = this_gpu()
     if gpu is not None and gpu[0] != "cuda":
-        return f"{NAME} needs an NVIDIA Hopper GPU, this one is ROCm; {_USE}"
+        return f"{NAME} needs an NVIDIA Hopper GPU, this one is ROCm; {fallback()}"
     if gpu is not None and gpu[1] != (9, 0):
         got = ".".join(map(str, gpu[1])) or "unreadable"
-        return f"{NAME} needs compute capability 9.0 (Hopper's wgmma), got {got}; {_USE}"
+        return f"{NAME} needs compute capability 9.0 (Hopper's wgmma), got {got}; {fallback()}"
     version = _cuda_runtime_version()
     if version is None:
-        return f"{NAME} needs jax's CUDA plugin: the kernel reads the CUDA runtime's version while tracing; {_USE}"
+        return f"{NAME} needs jax's CUDA plugin: the kernel reads the CUDA runtime's version while tracing; {fallback()}"
     if is_causal and BAD_CAUSAL_CUDA[0] <= version < BAD_CAUSAL_CUDA[1]:
         return (f"{NAME} cannot mask causally on CUDA runtime {version} (the kernel refuses 12.8.0 up to 12.9.1: a "
-                f"ptxas miscompilation); {_USE}")
+                f"ptxas miscompilation); {fallback()}")
     return None
 
 
@@ -184,7 +183,7 @@ def run(q, k, v, vis: _masking.Visibility, *, scale: float, interpret: bool) -> 
       ValueError: for `interpret=True` (this kernel has no interpret mode).
     """
     if interpret:
-        raise ValueError(f"{NAME} has no interpret mode (Mosaic GPU cannot interpret this kernel); {_USE}")
+        raise ValueError(f"{NAME} has no interpret mode (Mosaic GPU cannot interpret this kernel); {fallback()}")
     n, s, d = q.shape[-2], k.shape[-2], q.shape[-1]
     lay = layout(n, s, d, vis.is_causal, static_int(vis.offset))
     kernel = functools.partial(_translated, lay=lay, scale=float(scale), causal=bool(vis.is_causal))

@@ -52,7 +52,6 @@ from jax.sharding import PartitionSpec as P
 
 from jax_mha import _masking
 from jax_mha._pallas_common import (
-    _USE,
     flat_batch,
     kernel_mesh,
     kernel_run,
@@ -63,7 +62,7 @@ from jax_mha._pallas_common import (
     static_int,
     without_x64,
 )
-from jax_mha._path import Path
+from jax_mha._path import Path, fallback
 
 NAME = "implementation='pallas_tpu'"
 # MaxText's default splash block (sa_block_q = sa_block_kv = 512); 128 is the smallest
@@ -81,7 +80,7 @@ def limits(vis: _masking.Visibility, call: _masking.Call) -> str | None:
     if why is not None:
         return why
     if jnp.dtype(call.q.dtype) == jnp.float16:
-        return f"{NAME} takes bfloat16 or float32 inputs (TPUs have no float16 units), got float16; {_USE}"
+        return f"{NAME} takes bfloat16 or float32 inputs (TPUs have no float16 units), got float16; {fallback()}"
     return mesh_refusal(NAME, call)
 
 
