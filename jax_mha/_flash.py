@@ -827,23 +827,34 @@ def _dkv_cols(plan: Plan, a: Arrays, cts: Cotangents, ranges, j):
     v_j = lax.dynamic_slice_in_dim(a.v, j * plan.k_block, plan.k_block, axis=2).astype(f)
     start = _query_start(plan, ranges, j)
     scale = jnp.asarray(plan.scale, f)
+    # The rows of the loop's query blocks, cut once before it (as the forward cuts its
+    # key band): step t reads rows t·q_block … of `(B, K, G·q_band·bq, …)`. Slicing
+    # the whole rows inside the loop made XLA copy a head's q and g (O(N·D)) at every
+    # key block of the one-head-at-a-time loop, which dominated narrow windows.
+    rows_cut = plan.q_band * plan.q_block
+
+    def cut(x):
+        x = x.reshape(x.shape[:2] + (plan.groups, plan.n_pad) + x.shape[3:])
+        x = lax.dynamic_slice_in_dim(x, start * plan.q_block, rows_cut, axis=3)
+        return x.reshape(x.shape[:2] + (plan.groups * rows_cut,) + x.shape[4:])
+
+    q_band, ct_band = cut(a.q), Cotangents(*(cut(x) for x in cts))
 
     # Transposed blocks (k qᵀ): Pᵀ g and dSᵀ q are then plain matmuls, which XLA:CPU
     # runs far faster than products with a transposed operand (docs/performance.md).
     mix = _MIX if plan.transposable else _BACK
 
-    def body(g, i, carry):
+    def body(g, i, t, carry):
         dk, dv = carry
-        r0 = g * plan.n_pad + i * plan.q_block
-        q_i = lax.dynamic_slice_in_dim(a.q, r0, plan.q_block, axis=2).astype(f)
-        ct = cts.rows(r0, plan.q_block)
+        q_i = lax.dynamic_slice_in_dim(q_band, t * plan.q_block, plan.q_block, axis=2).astype(f)
+        ct = ct_band.rows(t * plan.q_block, plan.q_block)
         p, ds, _ = _grad_block(plan, a, q_i, k_j, v_j, ct, g, i * plan.q_block, j * plan.k_block, plan.transposable)
         return dk + scale * jnp.einsum(mix, ds, q_i), dv + jnp.einsum(mix, p, ct.g)
 
     def step(carry, t):
         g, i = t // plan.q_band, start + t % plan.q_band
         visible = _visible(plan, a, g, i * plan.q_block, j, ranges[0, i], ranges[1, i])
-        return lax.cond(visible, lambda c: body(g, i, c), lambda c: c, carry), None
+        return lax.cond(visible, lambda c: body(g, i, t, c), lambda c: c, carry), None
 
     init = (jnp.zeros(k_j.shape, f), jnp.zeros(v_j.shape, f))
     return lax.scan(step, init, jnp.arange(plan.groups * plan.q_band, dtype=jnp.int32))[0]
