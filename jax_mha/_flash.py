@@ -60,6 +60,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from jax_mha._linear import linear_call
 from jax_mha._masking import Visibility, Window, block_allowed, compute_dtype, key_block_range, key_range, score_logits
+from jax_mha._softmax import online_step
 
 _SCORES = "bkqd,bkcd->bkqc"  # q kᵀ per block (also dq kᵀ, q dkᵀ, g vᵀ)
 _MIX = "bkqc,bkcd->bkqd"  # p v per block (also a v, p dv, dS k)
@@ -487,16 +488,13 @@ def _forward_rows(plan: Plan, a: Arrays, r):
         m, l, acc, touched = carry
         k_j, v_j = band.block("k", t, bk), band.block("v", t, bk)
         s, allowed = _scores(plan, a, q_i, k_j, g, i0, j * bk)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no -inf - -inf
-        p = jnp.exp(s - m_safe[..., None])
-        correction = jnp.exp(m - m_safe)
+        m_new, l_new, p, correction = online_step(m, l, s)
         pv = jnp.einsum(_MIX, p.astype(v_j.dtype), v_j, preferred_element_type=_F(plan))
         if a.bad_kv is not None:
             bad_j = band.block("bad_kv", t, bk)[:, :, None, :]
             seen = bad_j if allowed is None else allowed & bad_j
             touched = touched | jnp.any(seen, axis=-1)
-        return m_new, l * correction + jnp.sum(p, -1), acc * correction[..., None] + pv, touched
+        return m_new, l_new, acc * correction[..., None] + pv, touched
 
     rows = a.q.shape[:2] + (plan.q_block,)
     init = (
