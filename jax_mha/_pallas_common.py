@@ -78,6 +78,14 @@ def pallas_limits(label: str, call: _masking.Call) -> str | None:
     return None
 
 
+def decode_limits(label: str, vis: _masking.Visibility, call: _masking.Call) -> str | None:
+    """What every decode kernel refuses beyond its parts: more than one query row, and
+    `pallas_limits`."""
+    if vis.n != 1:
+        return f"{label}'s decode kernel takes one query row, got N={vis.n}"
+    return pallas_limits(label, call)
+
+
 def engine_backward(kernel, scale: float):
     """`kernel(q, k, v, vis) -> out` (a forward-only kernel) as a function of the same
     arguments whose gradient is the blockwise engine's (`blockwise.run_blockwise`),

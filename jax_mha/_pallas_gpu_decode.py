@@ -36,12 +36,12 @@ import jax.numpy as jnp
 
 from jax_mha import _masking
 from jax_mha._pallas_common import (
+    decode_limits,
     engine_backward,
     flat_batch,
     gpu_op,
     kernel_run,
     next_pow2,
-    pallas_limits,
     visible_interval,
 )
 from jax_mha._path import Path
@@ -62,9 +62,7 @@ def key_splits(s: int) -> tuple[int, int]:
 
 def limits(vis: _masking.Visibility, call: _masking.Call) -> str | None:
     """What the decode kernel cannot take beyond its parts (`DECODE.takes`), or None."""
-    if vis.n != 1:
-        return f"{NAME}'s decode kernel takes one query row, got N={vis.n}"
-    why = pallas_limits(NAME, call)
+    why = decode_limits(NAME, vis, call)
     if why is not None:
         return why
     width = next_pow2(max(call.q.shape[-1], call.v.shape[-1]), MIN_TILE)

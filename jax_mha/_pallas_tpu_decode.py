@@ -44,12 +44,12 @@ import jax.numpy as jnp
 
 from jax_mha import _masking
 from jax_mha._pallas_common import (
+    decode_limits,
     engine_backward,
     flat_batch,
     is_traced,
     kernel_mesh,
     kernel_run,
-    pallas_limits,
     round_up,
     visible_interval,
 )
@@ -76,9 +76,7 @@ def pages(s: int) -> tuple[int, int, int]:
 
 def limits(vis: _masking.Visibility, call: _masking.Call) -> str | None:
     """What the paged kernel cannot take beyond its parts (`DECODE.takes`), or None."""
-    if vis.n != 1:
-        return f"{NAME}'s decode kernel takes one query row, got N={vis.n}"
-    why = pallas_limits(NAME, call)
+    why = decode_limits(NAME, vis, call)
     if why is not None:
         return why
     if jnp.dtype(call.q.dtype) == jnp.float16:
