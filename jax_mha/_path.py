@@ -119,13 +119,14 @@ class Path:
         that take it), or None: the platform, then the first part it does not take,
         then its `limits`. With a `decode` path, None when either takes the call; when
         both refuse, the reason of the one the call was for: the decode kernel's when
-        this path refuses only a part the decode kernel takes (a traced offset)."""
+        this path refuses a one-query step only for a part the decode kernel takes
+        (a traced offset)."""
         decode_why = None if self.decode is None else self.decode.refusal(vis, call)
         if self.decode is not None and decode_why is None:
             return None
         part, why = self._own_refusal(vis, call)
-        if decode_why is not None and part is not None and part in self.decode.takes:
-            return decode_why
+        if decode_why is not None and vis.n == 1 and part is not None and part in self.decode.takes:
+            return decode_why  # a one-query step refused only for what the decode kernel takes
         return why
 
     def _own_refusal(self, vis, call) -> tuple[str | None, str | None]:
@@ -136,7 +137,8 @@ class Path:
             return None, f"{self.label} {head}, this call runs on {call.platform!r}; {fallback()}"
         for part in parts(vis, call):
             if part not in self.takes:
-                return part, f"{self.label} cannot express {phrase(part, vis, call)}; {takers(part, call.platform)}"
+                why = f"{self.label} cannot express {phrase(part, vis, call)}; {takers(part, call.platform, self.name)}"
+                return part, why
         return None, None if self.limits is None else self.limits(vis, call)
 
     def auto_refusal(self, vis: _masking.Visibility, call: _masking.Call) -> str | None:
@@ -160,10 +162,11 @@ def register(path: Path) -> Path:
     return path
 
 
-def takers(part: str, platform: str) -> str:
-    """`"PART needs implementation='xla' or 'blockwise'"`: the registered paths that
-    take `part` and run on `platform`."""
-    names = [p.name for p in REGISTRY.values() if part in p.takes and (not p.platforms or platform in p.platforms)]
+def takers(part: str, platform: str, refusing: str) -> str:
+    """`"PART needs implementation='xla' or 'blockwise'"`: the registered paths other
+    than `refusing` that take `part` and run on `platform`."""
+    names = [p.name for p in REGISTRY.values()
+             if p.name != refusing and part in p.takes and (not p.platforms or platform in p.platforms)]
     short = PARTS[part][0].split(" (")[0].split(" {")[0].split("={")[0]
     return f"{short} needs implementation=" + _either(names) if names else fallback()
 

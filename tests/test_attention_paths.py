@@ -112,7 +112,7 @@ def test_values_match_float64_reference(rng, path, name):
 def test_xla_beyond_the_whole_scores_budget_runs_the_engine(rng, monkeypatch, name):
     """Over `WHOLE_SCORES_MAX_BYTES` "xla" runs the blockwise engine (its default
     blocks): the reference's values, and the gradients of the whole-scores route."""
-    from jax_mha import _dispatch
+    from jax_mha import _dense
 
     q, k, v, kw, allowed = make(rng, CASES[name])
     expected, _ = np_attention(q, k, v, mask=allowed, bias=kw.get("bias"))
@@ -123,7 +123,7 @@ def test_xla_beyond_the_whole_scores_budget_runs_the_engine(rng, monkeypatch, na
         return str(jax.make_jaxpr(f)(q, k, v)), f(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     whole_jaxpr, _, whole_grads = run_and_grads()
-    monkeypatch.setattr(_dispatch, "WHOLE_SCORES_MAX_BYTES", 0)
+    monkeypatch.setattr(_dense, "WHOLE_SCORES_MAX_BYTES", 0)
     engine_jaxpr, out, grads = run_and_grads()
     assert "flash_attention" not in whole_jaxpr and "flash_attention" in engine_jaxpr
     np.testing.assert_allclose(np.asarray(out), expected, atol=2e-6, rtol=1e-5)
