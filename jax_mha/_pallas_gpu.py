@@ -76,12 +76,11 @@ MAX_HEAD_DIM = 256
 
 def backward_blocks(head_dim: int) -> tuple[int, int]:
     """`(outer, inner)` of the fused backward: a dK/dV program holds `outer` keys and
-    sweeps the queries `inner` at a time, a dQ program the reverse. Measured on an
-    H200 (`experiments/pallas_gpu_blocks.py`, docs/results/data/pallas_gpu_blocks.json;
-    causal forward+backward, B=8, H=16, N=4096, bfloat16): at D = 64, (128, 64) took
-    6.0 ms against 6.9 for (128, 32), Triton's FlashAttention-2 tutorial shape; at
-    D = 128, (64, 64) took 8.9 ms against 18.4 (register pressure, presumably; not profiled).
-    Head dims above 128 (padded to 256) take (64, 64), unmeasured."""
+    sweeps the queries `inner` at a time, a dQ program the reverse. The rule: (128, 64)
+    up to D = 64, (64, 64) beyond, the fastest pair of the sweep at each head size it
+    ran (`experiments/pallas_gpu_blocks.py`; its timings are in
+    docs/results/data/pallas_gpu_blocks.json, tabled in docs/results/gpu_kernels.md,
+    section 4). Head dims above 128 (padded to 256) take (64, 64), unmeasured."""
     return (128, 64) if next_pow2(head_dim) <= 64 else (64, 64)
 
 
