@@ -26,10 +26,11 @@ causal rule is top-left, `q_pos >= k_pos`) and ONE segment-id array is read at b
 * GQA/MQA: k/v heads are repeated, because the kernel's BlockSpecs index q and k/v by
   the same head.
 
-Refused (the path's refusal, one line naming the part): a window, kv_lengths (one id array
+Refused (the path's refusal, one line naming the part, unless the path's decode
+kernel, `_pallas_gpu_decode`, takes a one-row call): a window, kv_lengths (one id array
 cannot cut keys while the queries at those positions stay), an additive bias, a dense
-mask, score_mod/mask_mod, logits_soft_cap, return_weights, dropout, a traced query
-offset, float64 (the kernel's softmax is float32), Dv != D, and on a GPU head_dim
+mask, score_mod/mask_mod, logits_soft_cap, sinks, return_weights, dropout,
+return_residual, a traced query offset, float64 (the kernel's softmax is float32), Dv != D, and on a GPU head_dim
 outside 9..256 (interpret mode takes any).
 q_lengths need nothing: the dispatcher zeroes the rows past them.
 
