@@ -240,8 +240,8 @@ def dense_rows(vis: Visibility, bad_kv: jax.Array, heads: int) -> tuple[jax.Arra
     empty and each row sees one interval of keys `[lo, hi)` (`key_range`): whether it
     holds a bad key is a difference of prefix counts, O(N + S). Otherwise a
     `(B…, H, N, S)` reduction that XLA fuses into its two outputs (evaluated, never
-    stored): O(B·H·N·S) work, which on an H200 cost 10 ms of cuDNN's 25 ms causal
-    forward at B=8, H=16, N=S=16384, D=128 before the interval route existed.
+    stored): O(B·H·N·S) work, not free next to a kernel (what it cost the cuDNN path
+    before the interval route existed: docs/results/gpu_kernels.md, section 3).
     A `score_mod` that returns `-inf` is not consulted (the kernel paths take none)."""
     batch = jnp.broadcast_shapes(tuple(vis.batch_shape), bad_kv.shape[:-2])
     if vis.every_row_sees_a_key:

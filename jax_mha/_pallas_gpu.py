@@ -26,10 +26,11 @@ causal rule is top-left, `q_pos >= k_pos`) and ONE segment-id array is read at b
 * GQA/MQA: k/v heads are repeated, because the kernel's BlockSpecs index q and k/v by
   the same head.
 
-Refused (the path's refusal, one line naming the part): a window, kv_lengths (one id array
+Refused (the path's refusal, one line naming the part, unless the path's decode
+kernel, `_pallas_gpu_decode`, takes a one-row call): a window, kv_lengths (one id array
 cannot cut keys while the queries at those positions stay), an additive bias, a dense
-mask, score_mod/mask_mod, logits_soft_cap, return_weights, dropout, a traced query
-offset, float64 (the kernel's softmax is float32), Dv != D, and on a GPU head_dim
+mask, score_mod/mask_mod, logits_soft_cap, sinks, return_weights, dropout,
+return_residual, a traced query offset, float64 (the kernel's softmax is float32), Dv != D, and on a GPU head_dim
 outside 9..256 (interpret mode takes any).
 q_lengths need nothing: the dispatcher zeroes the rows past them.
 
@@ -75,12 +76,11 @@ MAX_HEAD_DIM = 256
 
 def backward_blocks(head_dim: int) -> tuple[int, int]:
     """`(outer, inner)` of the fused backward: a dK/dV program holds `outer` keys and
-    sweeps the queries `inner` at a time, a dQ program the reverse. Measured on an
-    H200 (`experiments/pallas_gpu_blocks.py`, docs/results/data/pallas_gpu_blocks.json;
-    causal forward+backward, B=8, H=16, N=4096, bfloat16): at D = 64, (128, 64) took
-    6.0 ms against 6.9 for (128, 32), Triton's FlashAttention-2 tutorial shape; at
-    D = 128, (64, 64) took 8.9 ms against 18.4 (register pressure, presumably; not profiled).
-    Head dims above 128 (padded to 256) take (64, 64), unmeasured."""
+    sweeps the queries `inner` at a time, a dQ program the reverse. The rule: (128, 64)
+    up to D = 64, (64, 64) beyond, the fastest pair of the sweep at each head size it
+    ran (`experiments/pallas_gpu_blocks.py`; its timings are in
+    docs/results/data/pallas_gpu_blocks.json, tabled in docs/results/gpu_kernels.md,
+    section 4). Head dims above 128 (padded to 256) take (64, 64), unmeasured."""
     return (128, 64) if next_pow2(head_dim) <= 64 else (64, 64)
 
 

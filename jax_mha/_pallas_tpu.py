@@ -27,7 +27,8 @@ runs in a `shard_map`, the flattened batch split over "data" and the query and k
 over "model" (a Mosaic kernel cannot be partitioned automatically); `limits` names a
 batch or a number of kv heads the axis does not divide.
 
-Refused (the path's refusal, one line naming the part): an additive bias, a dense mask,
+Refused (the path's refusal, one line naming the part, unless the path's decode kernel,
+`_pallas_tpu_decode`, takes a one-row call): an additive bias, a dense mask,
 score_mod/mask_mod, return_weights, dropout, a traced query offset (splash builds its
 mask tables at trace time), float64 and float16 inputs, and `return_residual=True`:
 splash computes the log-sum-exp (`save_residuals=True`), but its custom VJP then

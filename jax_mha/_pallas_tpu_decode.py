@@ -94,8 +94,8 @@ def limits(vis: _masking.Visibility, call: _masking.Call) -> str | None:
 
 def precision_refusal(vis: _masking.Visibility, call: _masking.Call) -> str | None:
     """`"auto"` does not take the kernel for float32 inputs: it rounds k and v to
-    bfloat16 (an error of about 4e-3 where float32 gives 5e-7); naming the path
-    explicitly accepts that."""
+    bfloat16 (8 significant bits against float32's 24: a relative rounding of up to
+    2^-8 per entry); naming the path explicitly accepts that."""
     del vis
     if jnp.dtype(call.q.dtype) == jnp.float32:
         return (f"{NAME}'s decode kernel rounds float32 keys and values to bfloat16; \"auto\" keeps float32 "

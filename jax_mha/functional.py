@@ -4,15 +4,20 @@ The public layer of the core. Beneath it, each file with one job:
 
   _validate.py    the input checks, and `describe`: the arguments as one description
   _masking.py     the one description of which (query, key) pairs may attend
-  _dispatch.py    which path runs a call (each path's refusal), and the steps every
-                  path shares: non-finite inputs isolated, empty rows, padding rows
+  _path.py        a path as an object: what it takes, its limits, its refusal
+  _dispatch.py    the registry of paths (`REGISTRY`), `"auto"`'s choice, and the call
+                  of a path between the steps every path shares
+  _softmax.py     those steps (non-finite inputs isolated, empty rows, padding rows),
+                  the sink merge and the online-softmax step
   _dense.py       the whole scores, one screen: the truth every path is tested against
                   and the path that returns the weights
   _flash.py       the blockwise engine: query blocks x key blocks, online softmax, a
                   custom JVP whose tangent's transpose is written by hand (_linear.py):
                   the two-pass FlashAttention-2 backward; blockwise.py its blocks
-  _cudnn.py, _pallas_tpu.py, _pallas_gpu.py, _pallas_gpu_decode.py, _pallas_mgpu.py
-                  the description translated for a kernel
+  _cudnn.py, _pallas_tpu.py, _pallas_tpu_decode.py, _pallas_gpu.py,
+  _pallas_gpu_decode.py, _pallas_mgpu.py
+                  the description translated for a kernel (_pallas_common.py: what
+                  they share)
 
 Axis letters used in shapes and einsum strings:
   B… any leading batch dims, N query length, S key/value length,
@@ -248,128 +253,63 @@ def attention(
     key_block_size: int | None = None,
     layout: str = "BHND",
 ):
-    """Scaled dot-product attention for all heads at once.
+    """Scaled dot-product attention for all heads at once (GQA/MQA included):
+    `softmax(masked(cap(score_mod(scale · q kᵀ + bias)))) v`, soft-maxed in float32
+    (float64 for float64 inputs). Every path reads one description of who may attend.
 
-    `softmax(cap(score_mod(q kᵀ · scale + bias)), masked) v`. The logits are scaled and soft-maxed in
-    float32 whatever the input dtype (float64 in float64); the output has q's dtype.
-    Every path (`implementation`) reads the same description of who may attend
-    (`jax_mha._masking`), so they agree to rounding, edge cases included.
-
-    Query `i` sits at key position `i + S - N` (the queries are the last N positions:
-    `causal_mask`, decoding with a cache). jax.nn aligns `is_causal` and
-    `local_window_size` top-left instead; the two agree when N == S.
+    Details (alignment, dtypes, transformations, mods, sinks, edge rows, paths, blocks):
+    see docs/usage.md#who-may-attend-one-description-for-every-path and the sections
+    after it; each path's refusals: docs/accelerators.md.
 
     Args:
       q: `(B…, H, N, D)` queries, real floating point.
-      k: `(B…, K, S, D)` keys, `H % K == 0`; query heads `h*G:(h+1)*G` (G = H // K)
-        share key/value head `h` (GQA; `K == 1` is MQA). K/V are never repeated.
-      v: `(B…, K, S, Dv)` values. q, k, v share one dtype and one batch shape.
-      mask: bool, broadcastable to `(B…, H, N, S)`; True = may attend.
-      bias: float, broadcastable to `(B…, H, N, S)`, added to the scaled logits; a
-        `-inf` entry masks its key (a row of `-inf` is an empty row). Differentiable.
-      is_causal: key `j` visible to query `i` only if `j <= i + S - N`.
-      scale: logit scale (a static number), default `1/sqrt(D)`.
-      local_window_size: `(left, right)` (jax.nn's name and meaning) or an int `w`
-        for `(w, w)`: key `j` visible only if `i + S - N - left <= j <= i + S - N +
-        right`; a side of None is unbounded.
-      q_lengths: int, broadcastable to `(B…)`: valid queries per sequence; rows past
-        it are padding and output 0 (as jax.nn's `query_seq_lengths`).
-      kv_lengths: int, broadcastable to `(B…)`: valid keys per sequence (jax.nn's
-        `key_value_seq_lengths`); never materialised as a mask on the tuned paths.
-      q_segment_ids: int `(B…, N)` (leading dims broadcast): the segment (document)
-        of each query, for packed sequences; query `i` sees key `j` only when
-        `q_segment_ids[i] == kv_segment_ids[j]`. Never materialised as an `(N, S)`
-        mask on the blockwise path, which skips key blocks whose id range cannot meet
-        the query block's (see `jax_mha.blockwise`).
-      kv_segment_ids: int `(B…, S)`; defaults to `q_segment_ids` when N == S.
-      score_mod: `score_mod(score, batch, head, q_idx, kv_idx) -> score` (PyTorch
-        FlexAttention's name and signature), or None. Called with broadcastable int32
-        index arrays of the scores' rank (scalar-style code works by broadcasting):
-        `batch` the flattened index over all leading dims `B…` (row-major: for
-        `B… = (2, 3)`, entry `(1, 2)` is 5), `head` the query head (0…H-1), `q_idx` the
-        query row (0…N-1; its key position is `q_idx + S - N`; when decoding, the
-        token's position counted from the first cached token, as in the full pass),
-        `kv_idx` the key. It
-        must return the score's shape and dtype (float32, float64 for float64 inputs);
-        a `-inf` masks the key. The order on the logits is: scale → `bias` →
-        `score_mod` → `logits_soft_cap` → masks. Gradients reach what it closes over
-        (a T5 relative-bias table, ALiBi slopes), on every path: the blockwise path
-        traces the function (`_flash.trace_mod`) and makes every value it closes over
-        an input of its custom derivative. Never builds an `(N, S)` array on the
-        blockwise path.
-      mask_mod: `mask_mod(batch, head, q_idx, kv_idx) -> bool` (FlexAttention's), or
-        None: True = may attend, AND-ed with every other part. Same index arrays; its
-        result must be boolean and broadcast to the scores. The blockwise path skips
-        the key blocks it rules out: for a function of the indices and of concrete
-        values, each query block's range of key blocks holding a visible key is
-        computed from the values it reads at that call (kept only under a key of the
-        traced computation and those values: a global read by the function may
-        change between calls), so the key loop is as short as the
-        built-in pattern's (a `mask_mod` window runs like `local_window_size`); every
-        block in range is tested on its own `(q_block, k_block)` index grid and
-        skipped when empty. Both mods may close over anything traced (ints, bools,
-        floats, arrays, e.g. document ids under jit); a `mask_mod` that reads traced
-        values gets the per-block test only (it visits every block of the band).
-      logits_soft_cap: `c > 0`: logits become `c · tanh(logits / c)` (Gemma 2), after
-        `score_mod`, before masking. A static number.
-      sinks: float `(H,)`, one logit per query head for a virtual key whose value
-        is zero (attention sinks, as gpt-oss; `sinks = 0` is the "off-by-one"
-        softmax), in the space of the logits after the mods: each row's softmax
-        denominator gains `exp(sinks[h])`, so its weights sum to less than one.
-        Never masked; gradients reach it. None: no sink.
-      empty_rows: what a query with no visible key outputs: `"zero"` (default; zeros
-        in the output, the weights and every gradient) or `"uniform"` (the mean of all
-        S values, weights 1/S: what flax and jax.nn return).
-      dropout_rate: dropout on the attention weights, applied only when
-        `deterministic=False`; needs `dropout_rng` then.
-      dropout_rng: PRNG key for the dropout.
-      deterministic: disables dropout.
-      return_weights: also return the weights (after dropout, as applied to `v`).
-      return_residual: also return each row's log-sum-exp `lse (B…, H, N)`,
-        float32 (jax.nn's name): the natural log of the softmax denominator, the
-        sink's term included; -inf on a row with no visible key (and no sink), NaN
-        on a row that sees a non-finite input, -inf past `q_lengths`.
-        Differentiable. Parts over disjoint keys merge exactly with
-        `merge_attentions`.
-      implementation: `"xla"` (the whole scores built and differentiated as written,
-        as jax.nn's "xla"; the blockwise engine once they would pass
-        `WHOLE_SCORES_MAX_BYTES`), `"blockwise"` (memory linear in N; skips blocks that
-        causality, the window, the lengths or the segment ids rule out), `"cudnn"`
-        (jax.nn's fused GPU kernel; reverse-mode only), `"pallas_tpu"` (splash
-        attention) or `"pallas_gpu"` (the Triton FlashAttention kernel; its decode
-        kernel for one query row), each of which runs in Pallas interpret mode off
-        its platform, or `"pallas_mgpu"` (the Hopper FlashAttention-3 kernel, float16,
-        compiled only, on a GPU of compute capability 9.0). A named path that
-        cannot run the call raises its refusal (a ValueError naming the part);
-        `"auto"`/None walks the platform's chain of kernels and takes the first that
-        does not refuse, else `"xla"`/`"blockwise"` (`resolve_implementation`;
-        docs/accelerators.md has the table).
-      query_block_size: the blockwise path's block size over queries; None picks
-        it (`jax_mha.blockwise.default_blocks`: 2048 x 256, 512 x 512 when causal or
-        windowed, smaller for a narrow window).
-      key_block_size: its block size over keys; None picks it likewise.
-      layout: `"BHND"` (default: q `(B…, H, N, D)`, the seeds' order) or `"BNHD"`
-        (jax.nn's and flax's `(B…, N, H, D)`: q, k, v and the output have the length
-        before the heads; masks, biases and the weights keep `(B…, H, N, S)`).
+      k: `(B…, K, S, D)` keys, `H % K == 0`; query head h reads key/value head `h // (H // K)`.
+      v: `(B…, K, S, Dv)` values; q, k, v share one dtype and one batch shape.
+      mask: bool, broadcastable to `(B…, H, N, S)`, True = may attend. Default None.
+      bias: float, broadcastable to `(B…, H, N, S)`, added to the scaled logits; `-inf`
+        masks a key; differentiable. Default None.
+      is_causal: key `j` visible to query `i` only if `j <= i + S - N`. Default False.
+      scale: the logit scale, a static number. Default None: `1/sqrt(D)`.
+      local_window_size: `(left, right)`, or `w` for `(w, w)`: key `j` visible only if
+        `i + S - N - left <= j <= i + S - N + right`; a None side is unbounded. Default None.
+      q_lengths: int, broadcastable to `(B…)`: valid queries per sequence; rows past it output 0.
+        Default None.
+      kv_lengths: int, broadcastable to `(B…)`: valid keys per sequence. Default None.
+      q_segment_ids: int `(B…, N)`: packed sequences, query `i` sees key `j` only when
+        `q_segment_ids[i] == kv_segment_ids[j]`. Default None.
+      kv_segment_ids: int `(B…, S)`. Default None: `q_segment_ids` (N == S only).
+      empty_rows: what a query with no visible key outputs: `"zero"` (default) or
+        `"uniform"` (the mean of v, as flax and jax.nn).
+      score_mod: `score_mod(score, batch, head, q_idx, kv_idx) -> score`, as PyTorch
+        FlexAttention's. Default None.
+      mask_mod: `mask_mod(batch, head, q_idx, kv_idx) -> bool`, True = may attend. Default None.
+      logits_soft_cap: a static `c > 0`: logits become `c · tanh(logits / c)`. Default None.
+      sinks: float `(H,)`: per query head, the logit of a virtual key of value zero.
+        Default None.
+      dropout_rate: dropout on the weights, when `deterministic=False`. Default 0.0.
+      dropout_rng: the dropout's PRNG key, needed when dropout is on. Default None.
+      deterministic: disables dropout. Default True.
+      return_weights: also return the weights `(B…, H, N, S)`, after dropout. Default False.
+      return_residual: also return `lse (B…, H, N)` float32, each row's log-sum-exp.
+        Default False.
+      implementation: `"xla"` (default), `"blockwise"`, `"cudnn"`, `"pallas_tpu"`,
+        `"pallas_gpu"`, `"pallas_mgpu"`, or `"auto"`/None (`resolve_implementation`).
+      query_block_size: the blockwise path's query block. Default None: `blockwise.default_blocks`.
+      key_block_size: the blockwise path's key block. Default None: `blockwise.default_blocks`.
+      layout: `"BHND"` (default) or `"BNHD"`: q, k, v and the output `(B…, N, H, D)`;
+        masks, biases and the weights stay `(B…, H, N, S)`.
 
     Returns:
-      `out (B…, H, N, Dv)` (`(B…, N, H, Dv)` with `layout="BNHD"`) in `q`'s dtype;
-      `(out, weights (B…, H, N, S))` with `return_weights=True`, `(out, lse)` with
-      `return_residual=True`, `(out, weights, lse)` with both. N == 0 or S == 0
-      gives zeros of that shape. A row that may attend to a NaN or infinite input is
-      NaN; no other row is touched by it.
+      `out (B…, H, N, Dv)` (`(B…, N, H, Dv)` with `"BNHD"`) in q's dtype; `(out, weights)`,
+      `(out, lse)` or `(out, weights, lse)` with `return_weights`/`return_residual`.
 
     Raises:
-      TypeError: for integer, complex or mixed dtypes, a non-boolean mask, a
-        non-floating bias, non-integer lengths or segment ids, a bad
-        `local_window_size`, a non-callable mod, a `score_mod` returning another
-        dtype, a `mask_mod` returning non-booleans, a non-number soft-cap.
-      ValueError: for shapes that do not fit (naming them), `kv_segment_ids` left
-        out when N != S, an unknown implementation or one that cannot run these inputs
-        (cuDNN refuses `score_mod` and `logits_soft_cap`; both Pallas kernels refuse
-        the mods, the Triton one the soft-cap too; splash takes the soft-cap), a
-        mod whose result has the wrong shape, a soft-cap not positive and finite, a
-        bad option, or dropout without a key.
+      TypeError: a non-floating or mixed dtype, a non-boolean mask, a non-floating bias,
+        non-integer lengths or ids, a bad window, a mod not callable or of the wrong
+        result dtype, a soft-cap not a number.
+      ValueError: shapes that do not fit, `kv_segment_ids` missing when N != S, an
+        unknown implementation or a named one's refusal, a mod result of the wrong
+        shape, a soft-cap not positive and finite, a bad option, dropout without a key.
     """
     q, k, v = check_layout(layout, q, k, v)
     vis = describe(q, k, v, mask, bias, is_causal=is_causal, local_window_size=local_window_size,
@@ -416,8 +356,9 @@ def attention_from_description(q, k, v, vis: _masking.Visibility, *, scale=None,
 def resolve_implementation(q, k, v, vis: _masking.Visibility | None = None, *, implementation: str | None = "auto",
                            return_weights: bool = False, dropout: bool = False, empty_rows: str = "zero") -> str:
     """The path `attention` takes for these inputs (`_dispatch.choose`): `implementation`
-    itself, or for `"auto"`/None the first kernel of the platform's chain that does not
-    refuse the call, else `"xla"` while the whole scores fit, else `"blockwise"`.
+    itself, or for `"auto"`/None the first of the platform's kernels (`_dispatch.REGISTRY`
+    order, `Path.auto`) that `"auto"` may take (`Path.auto_refusal`), else `"xla"` while the
+    whole scores fit (or the weights or dropout are needed), else `"blockwise"`.
 
     Args:
       q, k, v: arrays or `jax.ShapeDtypeStruct`s shaped as for `attention`.

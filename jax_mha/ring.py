@@ -726,8 +726,9 @@ def ring_attention(
         with `PartitionSpec(None, None, axis_name, None)`.
       k: `(B, K, N, D)` keys; GQA when `K < H` (groups of `H // K` query heads).
       v: `(B, K, N, Dv)` values.
-      mask, bias: refused by name (a `ValueError`): taken only so that a call written
-        for `attention` fails with the reason.
+      mask: refused by name (a `ValueError`): taken only so that a call written for
+        `attention` fails with the reason.
+      bias: refused by name, as `mask`.
       mesh: the device mesh; `axis_name` must be one of its axes.
       axis_name: the mesh axis the sequence is split over.
       is_causal: key `j` visible to query `i` only when `j <= i`.

@@ -142,9 +142,10 @@ class RecallTaskConfig:
     shortcut: the answer is a value of a pair not yet asked, so "the most common value
     among the pairs not yet asked" beats chance without any key lookup. With repeats an
     asked key can be asked again, so setting asked pairs aside can discard the answer:
-    at the defaults the elimination strategy scores 0.287 (against chance 1/8 = 0.125),
-    below simply answering the row's most common value (0.325), the best answer without
-    key lookup (`experiments.associative_recall.reference_lines`, 4,096 rows;
+    at the defaults the elimination strategy scores above chance (1/8) but below simply
+    answering the row's most common value, the best answer without key lookup
+    (`experiments.associative_recall.reference_lines`; the scores are in
+    docs/results/associative_recall.md, with its reference lines, from
     docs/results/data/recall_mqar.json).
 
     Why one head is not enough: to answer, the query position must find the context

@@ -373,8 +373,9 @@ def count_head_types(labels: np.ndarray) -> dict[str, int]:
 # ----------------------------------------------------------------- induction, copying, in-context learning
 #
 # The probe of `induction_score` drew its tokens from the whole vocabulary; on the
-# reference corpus 29 of 103 characters occur fewer than 100 times in training, so
-# their embeddings are barely trained and a real induction head can fail to show.
+# reference corpus many characters are rare in training (counted in
+# docs/results/induction.md, "What is measured"), so their embeddings are barely
+# trained and a real induction head can fail to show.
 # These scores run on two probes that avoid that: repeated sequences of *frequent*
 # characters, and repeated *real* held-out spans; each is a row `x x` (R tokens,
 # twice), optionally after a prefix. They also measure what attention should cause

@@ -3,10 +3,9 @@
 XLA:CPU allocates a compiled call's temporaries as one block, freed when the call
 returns. glibc serves any block above its mmap threshold (at most 32 MiB) with a
 fresh `mmap` and gives it back with `munmap`, so every call page-faults the whole
-block in again, 4 KiB at a time. The copy-task training step (d_model 256, 8 heads,
-2 layers, batch 64; 166 MB of temporaries) took 44,000 minor page faults per step
-on a 2-core AMD EPYC VM, and its forward+backward ran 225 ms with them vs 199-207 ms
-without. PyTorch allocates many smaller tensors, which glibc reuses.
+block in again, 4 KiB at a time; on the copy-task training step that costs page
+faults and time (measured in docs/performance.md, "Design choices and what they
+measured"). PyTorch allocates many smaller tensors, which glibc reuses.
 
 `reuse_freed_memory()` tells glibc to keep freed memory for reuse instead: one
 malloc arena (a worker thread's own arena cannot grow past 64 MiB, so a big block

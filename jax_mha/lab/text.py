@@ -402,7 +402,7 @@ def window_hashes(ids, width: int) -> np.ndarray:
 
     `hash(i) = Σ_k ids[i + k] · b^-k mod 2^64` with b odd (so invertible mod 2^64):
     one cumulative sum and one product per window, all in wrapping uint64 arithmetic,
-    so the corpus is hashed in milliseconds. Two equal windows have equal hashes;
+    vectorised over the corpus. Two equal windows have equal hashes;
     unequal windows collide with probability about 2^-64 per pair.
 
     Args:

@@ -355,8 +355,9 @@ def _programs(model, optimizer, task, cfg: TrainConfig, num_seeds: int, use_vmap
               sequence_parallel_kind: str = "ring") -> _Programs:
     eval_batch = task.eval_batch(jax.random.key(cfg.eval_seed), cfg.eval_size)  # eager: its ops stay compiled across runs
     eval_one = lambda params: evaluate(params, model, task, eval_batch)
-    # One seed at a time: XLA:CPU compiles the vmapped initialisers ~5x slower, and
-    # the values are the same (jax.random is vmap-invariant).
+    # One seed at a time: the values are the same (jax.random is vmap-invariant), and
+    # XLA:CPU compiles one seed's initialiser a little faster than the vmapped one
+    # (docs/performance.md, "Design choices and what they measured").
     one_init = jax.jit(lambda key: init_state(key, model, optimizer))
     init = lambda keys: _stack([one_init(k) for k in keys])
     if use_vmap:
