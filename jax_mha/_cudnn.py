@@ -26,8 +26,8 @@ natively and which through that dense mask:
   H200, where the causal N = S = 251 gradient raised it).
 
 Like jax.nn's cuDNN kernel this path has a custom VJP only: reverse mode (`grad`,
-`vjp`), no `jvp`/`jacfwd`; use `"xla"` or `"blockwise"` for those. `score_mod`,
-`logits_soft_cap` and sinks cuDNN cannot express: its refusal names them.
+`vjp`), no `jvp`/`jacfwd`; use `"xla"` or `"blockwise"` for those. What jax.nn's
+call has no argument for, the path does not take (`PATH.takes`): its refusal names it.
 """
 
 from __future__ import annotations
@@ -182,8 +182,8 @@ def cudnn_attention(q, k, v, vis: Visibility, *, scale, interpret: bool = False)
     return jnp.swapaxes(out[:, :n], -3, -2).reshape(*batch, h, n, d)
 
 
-# cuDNN takes the pattern, lengths and (as one dense mask) masks, mask_mod and segment
-# ids, not the mods, the soft-cap, sinks, the log-sum-exp or a query offset.
+# cuDNN takes the pattern, lengths and (as one dense mask) masks, mask functions and
+# segment ids; nothing that changes the logits but a bias.
 PATH = Path("cudnn", kernel_run(cudnn_attention), platforms=("gpu",), limits=limits, lowers=lowers,
             takes=frozenset({"bias", "mask", "mask_mod", "window", "kv_lengths", "q_lengths", "segment_ids"}))
 refusal = PATH.refusal

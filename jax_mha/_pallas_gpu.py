@@ -27,11 +27,11 @@ causal rule is top-left, `q_pos >= k_pos`) and ONE segment-id array is read at b
   the same head.
 
 Refused (the path's refusal, one line naming the part, unless the path's decode
-kernel, `_pallas_gpu_decode`, takes a one-row call): a window, kv_lengths (one id array
-cannot cut keys while the queries at those positions stay), an additive bias, a dense
-mask, score_mod/mask_mod, logits_soft_cap, sinks, return_weights, dropout,
-return_residual, a traced query offset, float64 (the kernel's softmax is float32), Dv != D, and on a GPU head_dim
-outside 9..256 (interpret mode takes any).
+kernel, `_pallas_gpu_decode`, takes a one-row call): every part of the call that
+`PATH.takes` leaves out (a window and kv_lengths among them: one id array cannot cut
+keys while the queries at those positions stay), and by `limits` float64 (the kernel's
+softmax is float32), Dv != D, and on a GPU head_dim outside 9..256 (interpret mode
+takes any).
 q_lengths need nothing: the dispatcher zeroes the rows past them.
 
 Float32 inputs: on a GPU the kernel's dots run at JAX's default matmul precision

@@ -20,8 +20,8 @@ unlike the FlashAttention kernel it needs no static offset. The translation:
   the same width change no logit, and v's padded columns are dropped, so Dv != D works.
 
 Refused (the call then goes to `_pallas_gpu`): N != 1, float64, head dims over 256 on
-a GPU, and every part `DECODE.takes` leaves out (segment ids, the mods, a bias or mask,
-the soft-cap, sinks, the log-sum-exp). Gradients: the kernel has no backward; reverse
+a GPU, and every part `DECODE.takes` leaves out (segment ids among them: it masks one
+interval of keys). Gradients: the kernel has no backward; reverse
 mode runs the blockwise engine's (`_pallas_common.engine_backward`). Float32 inputs: the kernel's
 dots run at JAX's default matmul precision on a GPU (TF32 on recent NVIDIA GPUs); its
 per-chunk partial outputs are stored in the input dtype before they are merged.

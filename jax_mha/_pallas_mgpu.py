@@ -38,9 +38,8 @@ is not 9.0 (when one is present: described from another backend, as for a CUDA e
 the capability is not checked); no CUDA runtime version readable (the kernel reads it
 while tracing); causal on a CUDA runtime in 12.8.0..12.9.0 (the kernel refuses it: a
 ptxas miscompilation); any dtype but float16; Dv != D; head_dim over 256 (or 256 with
-keys to pad); a window, kv_lengths, segment ids, an additive bias, a dense mask,
-score_mod/mask_mod, logits_soft_cap, sinks, dropout, return_weights, return_residual, a
-traced query offset, and causal queries past the last key. q_lengths need nothing: the
+keys to pad); causal queries past the last key; and every part of the call that
+`PATH.takes` leaves out (it masks nothing but causality). q_lengths need nothing: the
 dispatcher zeroes the rows past them.
 
 Registered with `auto=False`: `"auto"` never picks this path (its causal backward

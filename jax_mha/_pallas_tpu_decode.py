@@ -25,7 +25,7 @@ has no start, so a window whose left edge may cut keys is refused. The translati
 Refused (the call then goes to `_pallas_tpu`): N != 1, a window whose left edge may
 cut keys, Dv != D (the kernel takes one head dim), a mesh (the kernel runs outside a
 `shard_map`), float16 and float64, and every part `DECODE.takes` leaves out (segment
-ids, sinks, the mods, a bias or mask, the log-sum-exp). Precision: the kernel rounds k
+ids among them: it sees the keys [0, length) of a sequence). Precision: the kernel rounds k
 and v to bfloat16 in VMEM whatever their dtype, so float32 inputs get bfloat16-rounded
 keys and values; `"auto"` therefore leaves float32 steps to the float32 paths
 (`precision_refusal`), and only `implementation="pallas_tpu"` named explicitly runs
