@@ -92,13 +92,15 @@ def f32_tolerance(*, terms: int, magnitude, dtype=jnp.float32, safety: float = 8
     relative bug through. Reductions that follow one another (a projection over
     d_model, logits over D, the softmax sum and weights @ v over S, a gradient's sum
     over the tokens) add their errors the same way: `terms` is the total count.
-    `magnitude`: the size of the values compared and of their partial sums, e.g.
-    max |reference|. `safety` covers the constants: the largest of many compared
-    entries sits a few sigmas out, exp turns a logit's absolute error into a
-    relative one. A swapped axis, a missing head or a wrong scale is off by a good
-    fraction of `magnitude`, orders of magnitude above this.
+    `magnitude`: the size of the values compared and of their partial sums, a number
+    or an array (the reference: its largest finite |entry|). `safety` covers the
+    constants: the largest of many compared entries sits a few sigmas out, exp turns
+    a logit's absolute error into a relative one. A swapped axis, a missing head or a
+    wrong scale is off by a good fraction of `magnitude`, orders of magnitude above.
     """
-    return safety * float(jnp.finfo(dtype).eps) * math.sqrt(terms) * float(magnitude)
+    values = np.abs(np.asarray(magnitude, np.float64))
+    values = values[np.isfinite(values)]
+    return safety * float(jnp.finfo(dtype).eps) * math.sqrt(terms) * float(values.max(initial=0.0))
 
 
 @pytest.fixture(name="np_attention")
