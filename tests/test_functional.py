@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import normal
+from conftest import f32_tolerance, normal
 
 from jax_mha import (
     attention,
@@ -25,6 +25,15 @@ from jax_mha import (
 
 # B, H, N, S, D, Dv: all distinct primes.
 B, H, N, S, D, DV = 2, 3, 5, 7, 11, 13
+# The float32 sums of one attention, for the tolerances: the logits over D, the
+# softmax sum and weights @ v over (at most) S keys; the weights go through the first two.
+FORWARD_TERMS = D + 2 * S
+WEIGHTS_TERMS = D + S
+
+
+def tol(want, terms=FORWARD_TERMS):
+    """`f32_tolerance` at `want`'s size."""
+    return f32_tolerance(terms=terms, magnitude=want)
 
 
 def qkv(rng, b=(B,), h=H, kv=H, n=N, s=S, d=D, dv=DV, dtype=jnp.float32):
@@ -123,28 +132,31 @@ def test_attention_matches_numpy(rng, np_attention, use_mask, use_bias, scale):
     bias = normal(rng, (H, N, S)) if use_bias else None  # broadcast over batch
     out, weights = attention(q, k, v, mask, bias, scale=scale, return_weights=True)
     ref_out, ref_w = np_attention(q, k, v, mask, bias, scale)
-    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(weights, ref_w, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(jnp.sum(weights, axis=-1), np.ones((B, H, N)), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(out, ref_out, atol=tol(ref_out))
+    np.testing.assert_allclose(weights, ref_w, atol=tol(1.0, WEIGHTS_TERMS))
+    np.testing.assert_allclose(jnp.sum(weights, axis=-1), np.ones((B, H, N)), rtol=0, atol=tol(1.0, WEIGHTS_TERMS + S))
     if use_mask:
         assert not np.any(np.asarray(weights)[~np.broadcast_to(np.asarray(mask), weights.shape)])
 
 
 def test_default_scale_is_inverse_sqrt_head_dim(rng):
     q, k, v = qkv(rng)
-    np.testing.assert_allclose(attention(q, k, v), attention(q, k, v, scale=1 / math.sqrt(D)), rtol=1e-6, atol=1e-6)
+    want = attention(q, k, v, scale=1 / math.sqrt(D))
+    np.testing.assert_allclose(attention(q, k, v), want, atol=tol(want))
     assert not np.allclose(attention(q, k, v), attention(q, k, v, scale=1.0), atol=1e-3)
 
 
 def test_attention_with_broadcast_2d_mask_and_bias(rng, np_attention):
     q, k, v = qkv(rng)
     mask, bias = random_mask(rng, (N, S)), normal(rng, (N, S))
-    np.testing.assert_allclose(attention(q, k, v, mask, bias), np_attention(q, k, v, mask, bias)[0], rtol=1e-5, atol=1e-5)
+    want = np_attention(q, k, v, mask, bias)[0]
+    np.testing.assert_allclose(attention(q, k, v, mask, bias), want, atol=tol(want))
 
 
 def test_attention_is_vmappable_and_differentiable(rng, np_attention):
     q, k, v = qkv(rng)
-    np.testing.assert_allclose(jax.vmap(attention)(q, k, v), attention(q, k, v), rtol=1e-6, atol=1e-6)
+    want = attention(q, k, v)
+    np.testing.assert_allclose(jax.vmap(attention)(q, k, v), want, atol=tol(want))
     # Gradient against central finite differences of the float64 reference.
     r = np.asarray(rng.standard_normal((B, H, N, DV)))
     g = jax.grad(lambda q: jnp.sum(attention(q, k, v) * r))(q)
@@ -179,18 +191,16 @@ def test_matches_jax_nn_dot_product_attention(rng, kv_heads):
     mask = random_mask(rng, (B, H, N, S))
     bias = normal(rng, (B, H, N, S))
     expected = jax.nn.dot_product_attention(to_bthd(q), to_bthd(k), to_bthd(v), bias=bias, mask=mask)
-    np.testing.assert_allclose(attention(q, k, v, mask, bias), to_bthd(expected), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(attention(q, k, v, mask, bias), to_bthd(expected), atol=tol(expected))
     # N < S: jax.nn's is_causal aligns top-left, ours bottom-right (queries are the last
     # N positions), so compare against an explicit causal_mask(N, S) there...
     expected = jax.nn.dot_product_attention(to_bthd(q), to_bthd(k), to_bthd(v), mask=causal_mask(N, S), scale=0.5)
-    np.testing.assert_allclose(
-        attention(q, k, v, is_causal=True, scale=0.5), to_bthd(expected), rtol=1e-5, atol=1e-5
-    )
+    np.testing.assert_allclose(attention(q, k, v, is_causal=True, scale=0.5), to_bthd(expected), atol=tol(expected))
     # ...and against its own is_causal where both conventions agree (N == S).
     qs = q[..., :S - 2, :]
     ks, vs = k[..., :S - 2, :], v[..., :S - 2, :]
     expected = jax.nn.dot_product_attention(to_bthd(qs), to_bthd(ks), to_bthd(vs), is_causal=True)
-    np.testing.assert_allclose(attention(qs, ks, vs, is_causal=True), to_bthd(expected), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(attention(qs, ks, vs, is_causal=True), to_bthd(expected), atol=tol(expected))
 
 
 # ------------------------------------------------------------------------- GQA / MQA
@@ -204,9 +214,10 @@ def test_gqa_equals_repeated_kv_heads(rng, np_attention, kv_heads):
     out, weights = attention(q, k, v, mask, return_weights=True)
     k_rep, v_rep = (jnp.repeat(x, h // kv_heads, axis=-3) for x in (k, v))
     out_rep, weights_rep = attention(q, k_rep, v_rep, mask, return_weights=True)
-    np.testing.assert_allclose(out, out_rep, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(weights, weights_rep, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(out, np_attention(q, k, v, mask)[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, out_rep, atol=tol(out_rep))
+    np.testing.assert_allclose(weights, weights_rep, atol=tol(1.0, WEIGHTS_TERMS))
+    want = np_attention(q, k, v, mask)[0]
+    np.testing.assert_allclose(out, want, atol=tol(want))
 
 
 # --------------------------------------------------------------------------- masking
@@ -228,9 +239,10 @@ def test_is_causal_equals_explicit_causal_mask(rng, np_attention, n, s, with_pad
     explicit = causal_mask(n, s) if pad is None else jnp.logical_and(pad, causal_mask(n, s)[None, None])
     out, w = attention(q, k, v, pad, is_causal=True, return_weights=True)
     out_explicit, w_explicit = attention(q, k, v, explicit, return_weights=True)
-    np.testing.assert_allclose(out, out_explicit, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(w, w_explicit, rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(out, np_attention(q, k, v, explicit)[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, out_explicit, atol=tol(out_explicit))
+    np.testing.assert_allclose(w, w_explicit, atol=tol(1.0, WEIGHTS_TERMS))
+    want = np_attention(q, k, v, explicit)[0]
+    np.testing.assert_allclose(out, want, atol=tol(want))
 
 
 def test_padding_mask_equals_dropping_padded_keys(rng, np_attention):
@@ -243,8 +255,8 @@ def test_padding_mask_equals_dropping_padded_keys(rng, np_attention):
     out = attention(q, k, v, pm)
     for b, length in enumerate(lengths):
         ref, _ = np_attention(q[b], k[b, :, :length], v[b, :, :length])
-        np.testing.assert_allclose(out[b], ref, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(attention(q, k, v, kv_lengths=jnp.asarray(lengths)), out, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(out[b], ref, atol=tol(ref))
+    np.testing.assert_allclose(attention(q, k, v, kv_lengths=jnp.asarray(lengths)), out, atol=tol(out))
 
 
 def fully_masked_case(rng, dtype):
@@ -263,9 +275,11 @@ def test_fully_masked_rows_are_zero_with_finite_gradients(rng, np_attention, dty
     for x in (out, weights):
         assert np.all(np.isfinite(np.asarray(x, np.float32)))
         np.testing.assert_array_equal(np.asarray(x[0, 1, [0, 3]], np.float32), 0.0)
-    tol = 1e-5 if dtype == jnp.float32 else 0.05
     ref, _ = np_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask, bias.astype(jnp.float32))
-    np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=tol, atol=tol)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=tol(ref))
+    else:
+        np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=0.05, atol=0.05)
 
     r = normal(rng, out.shape, jnp.float32)
 
@@ -306,9 +320,9 @@ def test_attention_entropy_matches_numpy(rng):
     with np.errstate(divide="ignore", invalid="ignore"):
         expected = -np.sum(np.where(w > 0, w * np.log(w), 0.0), axis=-1)
     ent = attention_entropy(jnp.asarray(w, jnp.float32))
-    np.testing.assert_allclose(ent, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ent, expected, atol=tol(expected, S))  # a float32 sum over S
     assert ent[0, 0, 0] == 0.0 and abs(ent[0, 1, 2]) < 1e-6
-    np.testing.assert_allclose(ent[1, 2, 3], np.log(S), rtol=1e-6)
+    np.testing.assert_allclose(ent[1, 2, 3], np.log(S), atol=tol(np.log(S), S))
     g = jax.grad(lambda w: jnp.sum(attention_entropy(w)))(jnp.asarray(w, jnp.float32))
     assert np.all(np.isfinite(g))
 
@@ -336,7 +350,8 @@ def test_dropout_changes_output_and_is_reproducible(rng):
     assert not np.allclose(out1, attention(q, k, v), atol=1e-3)
     assert not np.allclose(out1, out2, atol=1e-3)
     # The returned weights are the dropped ones that were applied to v.
-    np.testing.assert_allclose(out1, jnp.einsum("bhns,bhsd->bhnd", w1, v), rtol=1e-5, atol=1e-5)
+    want = jnp.einsum("bhns,bhsd->bhnd", w1, v)
+    np.testing.assert_allclose(out1, want, atol=tol(want, S))
     frac_zero = float(jnp.mean(w1 == 0))
     assert 0.35 < frac_zero < 0.65  # rate 0.5 over 210 entries: ±4 standard deviations
 
@@ -430,11 +445,8 @@ def test_attention_option_errors(rng):
 
 def test_auto_implementation_on_small_inputs_matches_xla(rng):
     q, k, v = qkv(rng)
-    np.testing.assert_allclose(
-        attention(q, k, v, implementation="auto", is_causal=True),
-        attention(q, k, v, implementation="xla", is_causal=True),
-        rtol=1e-5, atol=1e-5,
-    )
+    want = attention(q, k, v, implementation="xla", is_causal=True)
+    np.testing.assert_allclose(attention(q, k, v, implementation="auto", is_causal=True), want, atol=tol(want))
 
 
 # ---------------------------------------------------------------------------------
@@ -508,8 +520,10 @@ def test_strict_dtype_promotion_works_on_every_path(rng, dtype, implementation, 
     allowed = (key <= pos) & (key >= pos - 3) & (key < np.array([S, 4])[:, None, None, None])
     allowed = allowed & (f64(ids)[:, None, :, None] == f64(kv_ids)[:, None, None, :])
     expected, _ = np_attention(f64(q), f64(k), f64(v), mask=allowed, bias=f64(bias))
-    tol = 1e-5 if dtype == "float32" else 3e-2
-    np.testing.assert_allclose(f64(out), expected, atol=tol, rtol=tol)
+    if dtype == "float32":
+        np.testing.assert_allclose(f64(out), expected, atol=tol(expected))
+    else:
+        np.testing.assert_allclose(f64(out), expected, atol=3e-2, rtol=3e-2)
 
 
 # ---------------------------------------------------------------------------------

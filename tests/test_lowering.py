@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import f32_tolerance
 
 from jax_mha import _masking, _pallas_gpu, _pallas_tpu
 
@@ -325,7 +326,8 @@ def test_splash_runs_in_a_shard_map_under_a_mesh():
     for kind in ("Explicit", "Auto"):
         assert got[f"{kind} export"] == {"kernels": 2, "manual": True}, got  # forward and fused backward
         assert got[f"{kind} shard_map"], got
-        assert got[f"{kind} error"] < 2e-5, got
+        # Relative to each array's size; the float32 sums over D=64 and the 100 keys or rows, forward and back.
+        assert got[f"{kind} error"] < f32_tolerance(terms=2 * 64 + 4 * 100 + 100 * (H // K), magnitude=1.0), got
         assert "heads over the mesh axis 'model' of size 2" in got[f"{kind} refusal"], got
         assert "kv heads K=3 (H=6)" in got[f"{kind} refusal"], got
     assert "batch over the mesh axis 'data' of size 2, which does not divide the flattened batch 3" in got[

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import normal, randomize
+from conftest import f32_tolerance, normal, randomize
 from flax import nnx
 
 import jax_mha
@@ -19,6 +19,17 @@ from jax_mha import nnx as jnnx
 
 # B, N, d_model: primes where they can be; H=6 heads of D=6 (RoPE needs D even).
 B, N, D_MODEL, H = 2, 5, 36, 6
+# The float32 sums of a module, for the tolerances: the q/k/v projections over
+# d_model, the logits over D, the softmax sum and weights @ v over up to 13 keys, the
+# output projection; a block adds two layer norms (mean and variance) and its
+# feed-forward layer (d_model, then d_ff 13).
+MODULE_TERMS = D_MODEL + D_MODEL // H + 2 * 13 + D_MODEL
+BLOCK_TERMS = MODULE_TERMS + 2 * 2 * D_MODEL + D_MODEL + 13
+
+
+def tol(want, terms=MODULE_TERMS):
+    """`f32_tolerance` at `want`'s size."""
+    return f32_tolerance(terms=terms, magnitude=want)
 
 
 def randomize_module(module, seed=0):
@@ -45,7 +56,8 @@ def test_multi_head_attention_equals_linen_on_identical_weights(rng):
     out, weights = nnx.jit(lambda m: m(query, memory, kv_lengths=kv_lengths, return_weights=True))(ours)
     ref, ref_w = jax.jit(lambda p: linen.apply({"params": p}, query, memory, kv_lengths=kv_lengths,
                                                return_weights=True))(params)
-    chex.assert_trees_all_close((out, weights), (ref, ref_w), atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(out, ref, atol=tol(ref))
+    np.testing.assert_allclose(weights, ref_w, atol=tol(1.0))
     chex.assert_shape(out, (B, N, 7))
 
 
@@ -57,10 +69,8 @@ def test_transformer_block_equals_linen_and_loads_linen_weights(rng, pre_norm):
     params = jax.tree_util.tree_map(lambda s: 0.3 * rng.standard_normal(s.shape), shapes)
     block = jnnx.TransformerBlock(D_MODEL, H, 13, num_kv_heads=3, pre_norm=pre_norm, rope=True, rngs=nnx.Rngs(1))
     jnnx.from_linen_params(block, params)
-    np.testing.assert_allclose(
-        nnx.jit(lambda m: m(x, is_causal=True))(block),
-        jax.jit(lambda p: linen.apply({"params": p}, x, is_causal=True))(params), rtol=1e-5, atol=1e-5,
-    )
+    want = jax.jit(lambda p: linen.apply({"params": p}, x, is_causal=True))(params)
+    np.testing.assert_allclose(nnx.jit(lambda m: m(x, is_causal=True))(block), want, atol=tol(want, BLOCK_TERMS))
 
 
 def test_transformer_block_head_dim_equals_linen(rng):
@@ -71,8 +81,8 @@ def test_transformer_block_head_dim_equals_linen(rng):
     params = jax.tree_util.tree_map(lambda s: 0.3 * rng.standard_normal(s.shape), shapes)
     block = jnnx.from_linen_params(jnnx.TransformerBlock(D_MODEL, 5, 13, head_dim=7, rngs=nnx.Rngs(1)), params)
     assert block.attention.query.kernel.shape == (D_MODEL, 35) and block.attention.out.kernel.shape == (35, D_MODEL)
-    np.testing.assert_allclose(nnx.jit(lambda m: m(x))(block), jax.jit(lambda p: linen.apply({"params": p}, x))(params),
-                               rtol=1e-5, atol=1e-5)
+    want = jax.jit(lambda p: linen.apply({"params": p}, x))(params)
+    np.testing.assert_allclose(nnx.jit(lambda m: m(x))(block), want, atol=tol(want, BLOCK_TERMS))
 
 
 @pytest.mark.parametrize("make", [
@@ -121,7 +131,8 @@ def test_decoding_token_by_token_equals_causal_forward(rng):
 
     step = nnx.jit(lambda m, token: m(token))
     by_token = jnp.concatenate([step(decoder, x[:, t : t + 1]) for t in range(N)], axis=1)
-    np.testing.assert_allclose(by_token, nnx.jit(lambda m, x: m(x, is_causal=True))(full, x), rtol=1e-5, atol=1e-5)
+    want = nnx.jit(lambda m, x: m(x, is_causal=True))(full, x)
+    np.testing.assert_allclose(by_token, want, atol=tol(want))
     assert int(decoder.cache_index[...]) == N
     with pytest.raises(ValueError, match="decoding past the cache"):
         decoder(x[:, :1])
@@ -180,10 +191,11 @@ def test_segment_ids_and_decoding_with_them_match_linen(rng):
     model = jnnx.MultiHeadAttention(H, D_MODEL, rngs=nnx.Rngs(0))
     full = model(x, is_causal=True, segment_ids=ids)
     mask = ids[:, None, :, None] == ids[:, None, None, :]
-    np.testing.assert_allclose(full, model(x, mask=mask, is_causal=True), atol=1e-5, rtol=1e-5)
+    want = model(x, mask=mask, is_causal=True)
+    np.testing.assert_allclose(full, want, atol=tol(want))
     model.init_cache(x.shape, segment_ids=True)
     outs = [model(x[:, t : t + 1], segment_ids=ids[:, t : t + 1], decode=True) for t in range(N)]
-    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=tol(full))
     np.testing.assert_array_equal(model.cached_segment_ids[...], ids)
 
 
@@ -226,12 +238,12 @@ def test_attention_fn_replaces_the_core_as_in_linen(rng):
     plain = jax_mha.MultiHeadAttention(num_heads=H)
     params = jnnx.to_linen_params(ours)
     out = nnx.jit(lambda m: m(x, is_causal=True, logits_soft_cap=20.0))(ours)  # the hook survives nnx.jit
-    np.testing.assert_allclose(out, linen.apply({"params": params}, x, is_causal=True), rtol=1e-5, atol=1e-5)
+    want = linen.apply({"params": params}, x, is_causal=True)
+    np.testing.assert_allclose(out, want, atol=tol(want))
     # Independent of the hook's plumbing: 3 x the heads before a linear output projection.
     bias = np.asarray(params["out"]["bias"])  # NumPy: broadcasting allowed
-    np.testing.assert_allclose(np.asarray(out) - bias,
-                               3.0 * (np.asarray(plain.apply({"params": params}, x, is_causal=True)) - bias),
-                               rtol=1e-5, atol=1e-5)
+    want = 3.0 * (np.asarray(plain.apply({"params": params}, x, is_causal=True)) - bias)
+    np.testing.assert_allclose(np.asarray(out) - bias, want, atol=tol(want))
     assert spy.calls[-1]["logits_soft_cap"] == 20.0 and spy.calls[-1]["is_causal"] is True
     assert "score_mod" not in spy.calls[-1]
 
@@ -244,7 +256,8 @@ def test_transformer_block_forwards_mods_to_attention_fn(rng):
     out = block(x, is_causal=True, mask_mod=mask_mod, local_window_size=(2, 0))
     assert spy.calls[-1]["mask_mod"] is mask_mod and spy.calls[-1]["local_window_size"] == (2, 0)
     block.attention.attention_fn = None  # the default core on the same weights
-    np.testing.assert_allclose(out, block(x, is_causal=True, local_window_size=(2, 0)), atol=1e-6)
+    want = block(x, is_causal=True, local_window_size=(2, 0))
+    np.testing.assert_allclose(out, want, atol=tol(want, BLOCK_TERMS))
 
 
 def test_attention_fn_that_is_not_callable_raises_naming_it():

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import np_attention, randomize
+from conftest import f32_tolerance, np_attention, randomize
 from flax import nnx
 
 import jax_mha
@@ -23,6 +23,19 @@ from jax_mha.lab.models import Decoder, ModelConfig
 
 B, T, V, LAYERS, HEADS, D = 5, 7, 11, 2, 3, 5
 CAUSAL = np.tril(np.ones((T, T), bool))
+# The float32 sums, for the tolerances. One attention: the logits over D (<= 5), the
+# softmax sum and weights @ v over T. A model (the largest here: d_model 18, d_ff 60,
+# 2 layers): per layer two layer norms (mean and variance), the q/k/v projections,
+# attention, the output projection and the feed-forward layer; the final norm, the
+# logits; a loss adds the softmax over V and the mean over B*T.
+ATTENTION_TERMS = D + 2 * T
+MODEL_TERMS = LAYERS * (2 * 2 * 18 + 18 + ATTENTION_TERMS + 18 + 18 + 60) + 2 * 18 + 18
+LOSS_TERMS = MODEL_TERMS + V + B * T
+
+
+def tol(want, terms=MODEL_TERMS):
+    """`f32_tolerance` at `want`'s size."""
+    return f32_tolerance(terms=terms, magnitude=want)
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +61,8 @@ def test_cache_is_the_models_own_computation(decoder):
     model, params, a, _ = decoder
     logits, cache = patching.run_with_cache(model, params, a, weights=True)
     plain, weights = model.apply({"params": params}, a, return_weights=True)
-    np.testing.assert_allclose(logits, plain, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.stack(cache.weights), weights, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(logits, plain, atol=tol(plain))
+    np.testing.assert_allclose(np.stack(cache.weights), weights, atol=tol(1.0))
     assert [x.shape for x in cache.q] == [(B, HEADS, T, D)] * LAYERS and len(cache.out) == LAYERS
     # Layer 0 by hand: embedding + positions, pre-norm LayerNorm, projections, split heads.
     x = np.asarray(params["embed"]["embedding"], np.float64)[np.asarray(a)] + np.asarray(params["positions"])[:T]
@@ -57,9 +70,9 @@ def test_cache_is_the_models_own_computation(decoder):
     x = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-6) * scale + bias
     proj = lambda name: (x @ np.asarray(params["block_0"]["attention"][name]["kernel"])).reshape(B, T, HEADS, D)
     q, k, v = (proj(n).transpose(0, 2, 1, 3) for n in ("query", "key", "value"))
-    np.testing.assert_allclose(cache.q[0], q, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(cache.q[0], q, atol=tol(q, 2 * 2 * 15 + 15))  # the norm, the projection
     out, _ = np_attention(q, k, v, mask=CAUSAL)
-    np.testing.assert_allclose(cache.out[0], out, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(cache.out[0], out, atol=tol(out, 2 * 2 * 15 + 15 + ATTENTION_TERMS))
 
 
 @pytest.mark.parametrize("layer, head", [(0, 2), (1, 0)])
@@ -69,7 +82,7 @@ def test_zeroed_head_output_is_the_gated_off_head(decoder, layer, head):
     gates[layer, head] = 0.0
     gated = model.apply({"params": params}, a, head_mask=jnp.asarray(gates))
     patched = patching.run_patched(model, params, a, layer=layer, head=head, mode="zero")
-    np.testing.assert_allclose(patched, gated, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(patched, gated, atol=tol(gated))
 
 
 def test_patch_each_head_equals_the_gate_oracle_in_one_compilation(decoder):
@@ -80,7 +93,7 @@ def test_patch_each_head_equals_the_gate_oracle_in_one_compilation(decoder):
     stack = analysis.single_head_off_gates(jnp.ones((LAYERS, HEADS)))  # (L*H, L, H), entry l*H + h: (l, h) off
     gated = jax.vmap(lambda g: metric(model.apply({"params": params}, a, head_mask=g)))(stack)
     assert losses.shape == (LAYERS, HEADS)
-    np.testing.assert_allclose(losses, np.asarray(gated).reshape(LAYERS, HEADS), rtol=1e-5)
+    np.testing.assert_allclose(losses, np.asarray(gated).reshape(LAYERS, HEADS), atol=tol(gated, LOSS_TERMS))
     size = patching._each_head._cache_size()
     patching.patch_each_head(model, params, b, metric, mode="zero", source=source)  # new values, same shapes
     assert patching._each_head._cache_size() == size
@@ -91,15 +104,15 @@ def test_replaced_output_is_the_sources_and_nothing_earlier_moves(decoder):
     clean, cache_a = patching.run_with_cache(model, params, a)
     _, cache_b = patching.run_with_cache(model, params, b)
     same = patching.run_patched(model, params, a, layer=1, head=2, source=cache_a)  # from its own run: no change
-    np.testing.assert_allclose(same, clean, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(same, clean, atol=tol(clean))
     logits, patched = patching.run_patched(model, params, a, layer=1, head=1, source=cache_b, return_cache=True)
-    np.testing.assert_allclose(patched.out[1][:, 1], cache_b.out[1][:, 1], rtol=1e-6)
-    np.testing.assert_allclose(patched.out[1][:, [0, 2]], cache_a.out[1][:, [0, 2]], rtol=1e-6)
-    np.testing.assert_allclose(patched.out[0], cache_a.out[0], rtol=1e-6)
+    np.testing.assert_allclose(patched.out[1][:, 1], cache_b.out[1][:, 1], atol=tol(cache_b.out[1][:, 1]))
+    np.testing.assert_allclose(patched.out[1][:, [0, 2]], cache_a.out[1][:, [0, 2]], atol=tol(cache_a.out[1]))
+    np.testing.assert_allclose(patched.out[0], cache_a.out[0], atol=tol(cache_a.out[0]))
     assert not np.allclose(logits, clean, atol=1e-4)
     _, mean = patching.run_patched(model, params, a, layer=0, head=0, mode="mean", source=cache_b, return_cache=True)
     np.testing.assert_allclose(mean.out[0][:, 0], np.broadcast_to(np.mean(cache_b.out[0][:, 0], 0), (B, T, D)),
-                               rtol=1e-5, atol=1e-6)
+                               atol=tol(cache_b.out[0][:, 0], B))  # a mean over the batch
 
 
 def test_patched_query_attends_with_the_sources_query(decoder):
@@ -113,7 +126,7 @@ def test_patched_query_attends_with_the_sources_query(decoder):
     q = np.asarray(cache_a.q[0]).copy()
     q[:, 1] = cache_b.q[0][:, 1]
     expected, _ = np_attention(q, cache_a.k[0], cache_a.v[0], mask=CAUSAL)
-    np.testing.assert_allclose(patched.out[0], expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(patched.out[0], expected, atol=tol(expected, ATTENTION_TERMS))
 
 
 # ----------------------------------------------------------------- grouped-query attention, a linen model of one's own
@@ -152,13 +165,14 @@ def test_gqa_key_patch_for_the_group_or_one_query_head(gqa):
     mixed[:, 1] = k_b[:, 1]  # key/value head 1 from the other run: query heads 3, 4, 5 read it
     expected, _ = np_attention(q, mixed, v_a, mask=CAUSAL)
     _, group = patching.run_patched(model, params, a, layer=0, head=1, site="k", source=cache_b, return_cache=True)
-    np.testing.assert_allclose(group.out[0], expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(group.out[0], expected, atol=tol(expected, ATTENTION_TERMS))
     assert not np.allclose(expected[:, 3:], cache_a.out[0][:, 3:], atol=1e-4)  # the patch did something
     _, one = patching.run_patched(model, params, a, layer=0, head=4, site="k", source=cache_b, kv_scope="query",
                                   return_cache=True)
-    np.testing.assert_allclose(one.out[0][:, 4], expected[:, 4], rtol=1e-4, atol=1e-5)  # head 4 reads the source keys
+    np.testing.assert_allclose(one.out[0][:, 4], expected[:, 4],
+                               atol=tol(expected, ATTENTION_TERMS))  # head 4 reads the source keys
     keep = [0, 1, 2, 3, 5]  # its group mates 3 and 5 (and the other group) read the run's own
-    np.testing.assert_allclose(one.out[0][:, keep], cache_a.out[0][:, keep], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(one.out[0][:, keep], cache_a.out[0][:, keep], atol=tol(cache_a.out[0]))
 
 
 def test_gqa_zeroed_value_silences_its_group_or_one_head(gqa):
@@ -166,11 +180,11 @@ def test_gqa_zeroed_value_silences_its_group_or_one_head(gqa):
     _, group = patching.run_patched(model, params, a, layer=0, head=0, site="v", mode="zero", source=cache_a,
                                     return_cache=True)
     np.testing.assert_allclose(group.out[0][:, :3], 0.0, atol=1e-7)  # weights times zero values
-    np.testing.assert_allclose(group.out[0][:, 3:], cache_a.out[0][:, 3:], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(group.out[0][:, 3:], cache_a.out[0][:, 3:], atol=tol(cache_a.out[0]))
     _, one = patching.run_patched(model, params, a, layer=0, head=2, site="v", mode="zero", kv_scope="query",
                                   return_cache=True)
     np.testing.assert_allclose(one.out[0][:, 2], 0.0, atol=1e-7)
-    np.testing.assert_allclose(one.out[0][:, :2], cache_a.out[0][:, :2], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(one.out[0][:, :2], cache_a.out[0][:, :2], atol=tol(cache_a.out[0]))
     each = patching.patch_each_head(model, params, a, lambda logits: logits.sum(), site="v", mode="zero",
                                     source=cache_a)
     assert each.shape == (1, GQA_KV)  # one entry per key/value head in the group scope
@@ -180,7 +194,7 @@ def test_analyses_take_a_linen_model_of_ones_own(gqa):
     model, params, cache_a, _, a = gqa
     weights = analysis.attention_weights(params, model, a)
     assert weights.shape == (1, B, GQA_HEADS, T, T)
-    np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(weights.sum(-1), 1.0, atol=tol(1.0, 2 * T))  # the softmax sum, then this one
     batch = {"inputs": a, "targets": jnp.roll(a, -1, 1), "scored": jnp.ones((B, T), bool)}
     drops = analysis.ablate_each_head_loss(params, model, batch)
     gates = np.ones((1, GQA_HEADS), np.float32)
@@ -226,10 +240,12 @@ def test_nnx_model_through_the_analyses_and_patching(decoder):
 
     model = patching.HeadModel(apply, num_layers=LAYERS, num_heads=HEADS, vocab_size=V)
     logits, cache = patching.run_with_cache(model, state, a)
-    np.testing.assert_allclose(logits, user(a), rtol=1e-5, atol=1e-5)
+    want = user(a)
+    np.testing.assert_allclose(logits, want, atol=tol(want))
     gates = jnp.ones((LAYERS, HEADS)).at[1, 2].set(0.0)
-    np.testing.assert_allclose(patching.run_patched(model, state, a, layer=1, head=2, mode="zero"),
-                               user(a, head_mask=gates), rtol=1e-5, atol=1e-5)
+    want = user(a, head_mask=gates)
+    np.testing.assert_allclose(patching.run_patched(model, state, a, layer=1, head=2, mode="zero"), want,
+                               atol=tol(want))
     batch = {"inputs": a, "targets": jnp.roll(a, -1, 1), "scored": jnp.ones((B, T), bool)}
     result = analysis.prune_heads_iteratively(state, model, batch, order="importance", criterion="loss",
                                               max_drop=0.0, run_to_end=True)
