@@ -38,7 +38,7 @@ from experiments import common
 from experiments.common import save_figure, write_atomic, write_json
 from jax_mha.lab import stats
 from jax_mha.lab.data import RecallTaskConfig, task_to_dict
-from jax_mha.lab.models import ModelConfig
+from jax_mha.lab.models import ModelConfig, model_to_dict
 from jax_mha.lab.train import TrainConfig, train_seeds
 
 MODULE = "experiments.associative_recall"
@@ -390,7 +390,7 @@ def main(argv=None) -> dict:
         plot(results, args.out)
         print(summary_markdown(results))
         return results
-    config = json.loads(json.dumps({"task": task_to_dict(cfg.task), "model": dataclasses.asdict(cfg.model),
+    config = json.loads(json.dumps({"task": task_to_dict(cfg.task), "model": model_to_dict(cfg.model),
                                     "train": dataclasses.asdict(cfg.train), "num_seeds": cfg.num_seeds,
                                     "seed": cfg.seed, "learning_rates": cfg.learning_rates,
                                     "eval_on": args.eval_on, "solved_accuracy": cfg.solved_accuracy}))

@@ -32,7 +32,7 @@ from jax_mha.lab import distributed
 from jax_mha.lab.checkpoint import load_checkpoint, save_checkpoint, saved_train_step, write_atomic
 from jax_mha.lab.data import CopyTaskConfig, Task, task_from_dict, task_to_dict
 from jax_mha.lab.host_memory import reuse_freed_memory
-from jax_mha.lab.models import ModelConfig
+from jax_mha.lab.models import ModelConfig, model_to_dict
 from jax_mha.lab.text import TextTaskConfig
 from jax_mha.lab.train import TrainConfig, train_seeds
 
@@ -294,7 +294,7 @@ class AblationConfig:
         """Everything that makes two runs comparable; the head list is not part of it,
         so a sweep can be extended with more head counts into the same folder."""
         out = {"num_seeds": self.num_seeds, "seed": self.seed, "task": task_to_dict(self.task),
-               "model": dataclasses.asdict(self.model), "train": dataclasses.asdict(self.train)}
+               "model": model_to_dict(self.model), "train": dataclasses.asdict(self.train)}
         if self.learning_rates:  # only when set, so results saved before the field existed still match
             out["learning_rates"] = [list(pair) for pair in self.learning_rates]
         del out["model"]["num_heads"]
@@ -548,20 +548,38 @@ def cpu_model() -> str:
 CHECKOUT = Path(__file__).resolve().parents[1]  # the repository the studies run from
 
 
+def _git(root: str | os.PathLike, *args: str) -> str | None:
+    """`git -C root args…`'s standard output; None if git fails or is missing."""
+    try:
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
 def git_state(root: str | os.PathLike = CHECKOUT) -> dict[str, Any]:
     """`{"commit", "dirty"}` of the git checkout at `root`: the HEAD commit and whether
     `git status --porcelain` lists any change (ignored files such as results/ do not
     count); both None outside a checkout or without git."""
-    def git(*args: str) -> str | None:
-        try:
-            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return done.stdout if done.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain") if commit is not None else None
+    commit = _git(root, "rev-parse", "HEAD")
+    status = _git(root, "status", "--porcelain") if commit is not None else None
     return {"commit": commit.strip() if commit else None, "dirty": None if status is None else bool(status.strip())}
+
+
+def file_state(path: str | os.PathLike) -> dict[str, Any]:
+    """`{"file", "commit", "dirty"}` of one file of a git checkout (the checkout that
+    holds it): its path from the checkout's top, the last commit that touched it
+    (`git log -1 --format=%H -- file`; None if no commit has it) and whether
+    `git status --porcelain -- file` lists it (modified, staged or untracked). Outside a
+    checkout or without git: the path as given, commit and dirty None."""
+    path = Path(path).resolve()
+    top = _git(path.parent, "rev-parse", "--show-toplevel")
+    if top is None:
+        return {"file": str(path), "commit": None, "dirty": None}
+    rel = path.relative_to(Path(top.strip()).resolve()).as_posix()
+    commit = (_git(top.strip(), "log", "-1", "--format=%H", "--", rel) or "").strip() or None
+    status = _git(top.strip(), "status", "--porcelain", "--", rel)
+    return {"file": rel, "commit": commit, "dirty": None if status is None else bool(status.strip())}
 
 
 def child_env() -> dict[str, str]:
@@ -622,11 +640,11 @@ class TrainingBar:
     def __call__(self, report: dict) -> None:
         if self.log is not None:
             self.log(report)
+        loss = f"{report['loss']:.4f}" if "loss" in report else "–"  # none before the first step (eval_steps 0)
         if "eval" in report and "bpc" in report["eval"]:
-            self.bar.set_postfix(loss=f"{report['loss']:.4f}", val_bpc=f"{float(np.mean(report['eval']['bpc'])):.3f}")
+            self.bar.set_postfix(loss=loss, val_bpc=f"{float(np.mean(report['eval']['bpc'])):.3f}")
         elif "eval" in report:
-            self.bar.set_postfix(loss=f"{report['loss']:.4f}",
-                                 heldout=f"{float(np.mean(report['eval']['token_accuracy'])):.3f}")
+            self.bar.set_postfix(loss=loss, heldout=f"{float(np.mean(report['eval']['token_accuracy'])):.3f}")
         self.bar.update(report["step"] - self.bar.n)
         if "stopped" in report:
             self.close(report["step"], report["stopped"])

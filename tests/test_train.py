@@ -14,7 +14,7 @@ import pytest
 
 from jax_mha.lab import checkpoint
 from jax_mha.lab.data import CopyTaskConfig, Decoding, chance_accuracy, greedy_decode, make_batch, task_to_dict
-from jax_mha.lab.models import CopyTransformer, ModelConfig, decode_step, empty_cache
+from jax_mha.lab.models import CopyTransformer, ModelConfig, decode_step, empty_cache, model_to_dict
 from jax_mha.lab.train import (
     TrainConfig,
     evaluate,
@@ -227,7 +227,7 @@ def test_model_and_task_must_fit():
 def test_state_of_another_shape_is_refused(tmp_path):
     """A folder whose state does not have this run's leaves (its fingerprint forged to
     match) is refused naming the folder and the leaves, before anything is read."""
-    fingerprint = {"model": dataclasses.asdict(SMALL), "task": task_to_dict(TASK), "train": dataclasses.asdict(SHORT),
+    fingerprint = {"model": model_to_dict(SMALL), "task": task_to_dict(TASK), "train": dataclasses.asdict(SHORT),
                    "seeds": [0]}
     manager = checkpoint.train_state_manager(tmp_path / "other")
     checkpoint.save_train_state(manager, 50, {"w": np.zeros(3)}, {"fingerprint": json.loads(json.dumps(fingerprint))})

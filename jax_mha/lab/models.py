@@ -23,6 +23,7 @@ from jax_mha.lab.head_types import logits_and_attention_weights  # noqa: F401  (
 from jax_mha.modules import MultiHeadAttention, TransformerBlock, _require_dropout_rng, _require_mutable_cache
 
 POSITIONAL = ("learned", "sinusoidal")
+MIXERS = ("attention", "gated_conv")  # the sequence mixer of every block, see ModelConfig.mixer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +46,15 @@ class ModelConfig:
     pre_norm: bool = True  # with the final norm below, the GPT-2 layout: stable at lr 1e-3 without tuning
     positional: str = "learned"  # "learned" or "sinusoidal", see Decoder
     implementation: str = "xla"  # attention path; "xla" is the one that can return weights
+    # The sequence mixer of every block: "attention" (multi-head attention), or "gated_conv"
+    # (`GatedConvMixer`: short causal convolutions, a long causal convolution and a
+    # multiplicative gate, the H3/Hyena-style baseline of Zoology; needs d_ff=0, no heads).
+    mixer: str = "attention"
+    conv_kernel: int = 3  # taps of the gated-conv mixer's short convolutions (unused by attention)
 
     def __post_init__(self):
         """Raises ValueError (TypeError for a non-int size) naming the bad field."""
-        for field in ("vocab_size", "max_len", "d_model", "num_heads", "num_layers", "d_ff"):
+        for field in ("vocab_size", "max_len", "d_model", "num_heads", "num_layers", "d_ff", "conv_kernel"):
             value = getattr(self, field)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
                 raise TypeError(f"{field} must be an int, got {value!r}")
@@ -65,6 +71,10 @@ class ModelConfig:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if self.positional == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
+        if self.mixer not in MIXERS:
+            raise ValueError(f"mixer must be one of {MIXERS}, got {self.mixer!r}")
+        if self.mixer == "gated_conv" and self.d_ff:
+            raise ValueError(f"mixer='gated_conv' blocks have no feed-forward half: set d_ff=0, got {self.d_ff}")
         if self.implementation is not None and self.implementation not in IMPLEMENTATIONS:
             # the name only: asking a path would start the backend (before jax.distributed.initialize)
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {self.implementation!r}")
@@ -79,6 +89,19 @@ class ModelConfig:
     def attention_width(self) -> int:
         """H * D, the width of the query/key/value projections (and the output's input)."""
         return self.num_heads * self.size_per_head
+
+
+# Fields added after results were saved, left out of `model_to_dict` at their default, so
+# the dicts (and the fingerprints of saved runs that hold them) of attention models are
+# what they were (as `jax_mha.lab.data.task_to_dict` does for tasks).
+_LATER_FIELDS = {"mixer": "attention", "conv_kernel": 3}
+
+
+def model_to_dict(config: ModelConfig) -> dict:
+    """The config as plain data (fingerprints, results.json): `dataclasses.asdict`, less
+    each field of `_LATER_FIELDS` at its default; `ModelConfig(**d)` restores it."""
+    return {k: v for k, v in dataclasses.asdict(config).items()
+            if k not in _LATER_FIELDS or v != _LATER_FIELDS[k]}
 
 
 def sinusoidal_positions(length: int, d_model: int) -> jax.Array:
@@ -154,6 +177,83 @@ class AttentionOnlyBlock(nn.Module):
         return (x, weights) if return_weights else x
 
 
+def causal_conv(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """Depthwise causal convolution, `y[…, t, c] = Σ_{j < K} kernel[j, c] · x[…, t - j, c]`
+    (x is 0 before position 0): `x (B…, T, C)`, `kernel (K, C)` -> `(B…, T, C)`. A few
+    taps (K <= 8) as K shifted copies; a long filter as one product with the `(T, T, C)`
+    lower-triangular Toeplitz matrix of its taps. Either way the output at t is a sum
+    over positions <= t only, exactly (later positions get weight 0, not a rounding
+    residue as an FFT would leave)."""
+    t, k = x.shape[-2], min(kernel.shape[0], x.shape[-2])
+    if k <= 8:
+        pad = [(0, 0)] * (x.ndim - 2) + [(k - 1, 0), (0, 0)]
+        padded = jnp.pad(x, pad)  # (B…, T + K - 1, C)
+        taps = kernel[:k].reshape((k,) + (1,) * (x.ndim - 1) + (-1,))  # (K, 1…, 1, C): tap j broadcasts over B…, T
+        return sum(taps[j] * padded[..., k - 1 - j : k - 1 - j + t, :] for j in range(k))
+    lag = jnp.arange(t)[:, None] - jnp.arange(t)[None, :]  # (T, T): t - s
+    toeplitz = jnp.where(((lag >= 0) & (lag < k))[..., None], kernel[jnp.clip(lag, 0, k - 1)], 0.0)  # (T, T, C)
+    return jnp.einsum("tsc,...sc->...tc", toeplitz, x)
+
+
+class GatedConvMixer(nn.Module):
+    """A gated-convolution sequence mixer, the H3/Hyena-style baseline of Zoology (Arora
+    et al. 2023; H3: Fu et al. 2023, Hyena: Poli et al. 2023): `(B…, T, d) -> (B…, T, d)`,
+    causal (the output at t reads positions <= t only).
+
+        q, k, v = split(Dense(3d)(x))        # (B…, T, d) each
+        q, k, v = causal_conv(·, short)      # depthwise, short: (kernel_size, 3d) taps
+        y = q ⊙ causal_conv(k ⊙ v, long)     # long: (max_len, d), a filter over the whole sequence
+        out = Dense(d)(y)
+
+    The short convolutions let a position see its last few tokens (at a value, `k ⊙ v`
+    binds the value to the key just before it); the long one carries those products down
+    the sequence, and the gate `q` reads them at a query. All pairs of the context share
+    the same d channels (H3 with one-dimensional heads), so the width this needs grows
+    with the number of pairs, where attention looks a key up by content.
+
+    Parameters: `in_proj`, `short_filter`, `long_filter`, `out_proj`. The filters start
+    normal with standard deviation 1/sqrt(taps) (a LeCun-normal depthwise convolution).
+
+    Attributes:
+      max_len: taps of the long filter; inputs up to this length.
+      kernel_size: taps of the short convolutions (Zoology's short convolutions: 3).
+    """
+
+    max_len: int
+    kernel_size: int = 3
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d, t = x.shape[-1], x.shape[-2]
+        if t > self.max_len:
+            raise ValueError(f"sequence length {t} exceeds the long filter's max_len={self.max_len}")
+        taps = lambda n: nn.initializers.normal(1.0 / math.sqrt(n))
+        short = self.param("short_filter", taps(self.kernel_size), (self.kernel_size, 3 * d))
+        long = self.param("long_filter", taps(self.max_len), (self.max_len, d))
+        q, k, v = jnp.split(causal_conv(nn.Dense(3 * d, name="in_proj")(x), short), 3, axis=-1)
+        return nn.Dense(d, name="out_proj")(q * causal_conv(k * v, long[:t]))
+
+
+class GatedConvBlock(nn.Module):
+    """`x + Dropout(GatedConvMixer(LN(x)))` (pre-norm) or `LN(x + Dropout(…(x)))`
+    (post-norm), `(B…, T, d) -> (B…, T, d)`: the block of `ModelConfig(mixer="gated_conv")`,
+    with no feed-forward half (Zoology's state mixer: the identity). Parameters `mixer`
+    and `norm1`."""
+
+    max_len: int
+    kernel_size: int = 3
+    dropout_rate: float = 0.0
+    pre_norm: bool = True
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, deterministic: bool = True) -> jax.Array:
+        _require_dropout_rng(self, self.dropout_rate, deterministic)
+        norm = nn.LayerNorm(name="norm1")
+        y = GatedConvMixer(self.max_len, self.kernel_size, name="mixer")(norm(x) if self.pre_norm else x)
+        x = x + nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+        return x if self.pre_norm else norm(x)
+
+
 class Decoder(nn.Module):
     """Token embedding + positions → `num_layers` causal blocks → LayerNorm → logits.
 
@@ -162,7 +262,8 @@ class Decoder(nn.Module):
     offset directly; the sinusoidal table (no parameters, extrapolates) is there to
     compare. Parameters: `embed`, `positions` (learned only), `block_{i}`,
     `final_norm`, `logits`. With `ModelConfig(d_ff=0)` every block is an
-    `AttentionOnlyBlock` (no feed-forward half).
+    `AttentionOnlyBlock` (no feed-forward half); with `mixer="gated_conv"` a
+    `GatedConvBlock` (no heads: no head_mask, attention weights or KV-cache decoding).
 
     With `decode=True` (same parameters) every block keeps a KV cache and the model
     keeps `cache/position` (the next position to write): `init` with tokens of the
@@ -204,11 +305,14 @@ class Decoder(nn.Module):
         Raises:
           TypeError, ValueError: bad tokens (see `check_tokens`) or a head_mask of the
             wrong shape; ValueError for dropout without a "dropout" rng, or decoding
-            without `mutable=["cache"]`.
+            without `mutable=["cache"]`; for a head_mask, weights or decoding of a
+            model without attention (`mixer="gated_conv"`).
         """
         cfg = self.config
         check_tokens(tokens, cfg.vocab_size, cfg.max_len)
         _require_dropout_rng(self, cfg.dropout_rate, deterministic)
+        if cfg.mixer != "attention" and (head_mask is not None or return_weights or self.decode):
+            raise ValueError(f"mixer={cfg.mixer!r} has no heads: no head_mask, return_weights or decode")
         if head_mask is not None and jnp.shape(head_mask) != (cfg.num_layers, cfg.num_heads):
             raise ValueError(
                 f"head_mask must have shape (num_layers, num_heads) = {(cfg.num_layers, cfg.num_heads)}, "
@@ -223,6 +327,9 @@ class Decoder(nn.Module):
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         all_weights = []
         for layer in range(cfg.num_layers):
+            if cfg.mixer != "attention":
+                x = self._block(layer)(x, deterministic=deterministic)
+                continue
             out = self._block(layer)(
                 x, is_causal=True, head_mask=None if head_mask is None else head_mask[layer],
                 deterministic=deterministic, return_weights=return_weights,
@@ -236,8 +343,12 @@ class Decoder(nn.Module):
 
     def _block(self, layer: int) -> nn.Module:
         """Block `layer`: a `TransformerBlock`, or an `AttentionOnlyBlock` when `d_ff == 0`
-        (same names, `block_{layer}/attention` and `/norm1`, so the analyses find its heads)."""
+        (same names, `block_{layer}/attention` and `/norm1`, so the analyses find its heads),
+        or a `GatedConvBlock` for `mixer="gated_conv"`."""
         cfg = self.config
+        if cfg.mixer == "gated_conv":
+            return GatedConvBlock(max_len=cfg.max_len, kernel_size=cfg.conv_kernel, dropout_rate=cfg.dropout_rate,
+                                  pre_norm=cfg.pre_norm, name=f"block_{layer}")
         common = dict(num_heads=cfg.num_heads, head_dim=cfg.head_dim, dropout_rate=cfg.dropout_rate,
                       pre_norm=cfg.pre_norm, implementation=cfg.implementation, decode=self.decode,
                       attention_fn=self.attention_fn, name=f"block_{layer}")

@@ -33,7 +33,7 @@ from jax_mha import parallel
 from jax_mha.functional import attention_entropy
 from jax_mha.lab import checkpoint
 from jax_mha.lab.data import Batch, Decoding, Task, task_to_dict
-from jax_mha.lab.models import Decoder, ModelConfig, decode_step, empty_cache
+from jax_mha.lab.models import Decoder, ModelConfig, decode_step, empty_cache, model_to_dict
 
 _POSITIVE_INTS = ("batch_size", "num_steps", "steps_per_call", "eval_every", "eval_size", "early_stop_evals")
 
@@ -289,8 +289,16 @@ def evaluate(params, model: Decoder, task: Task, batch: Batch, head_mask=None) -
         `exact_accuracy` from greedy decoding, the language model's `bpc`);
       entropy, entropy_normalized, confidence: `(num_layers, H)`, mean over scored
         queries of each head's attention entropy (nats), of the entropy divided by
-        ln(number of keys the query may see), and of the max weight.
+        ln(number of keys the query may see), and of the max weight (attention
+        models only: a `mixer="gated_conv"` model has no heads, and no KV-cache
+        decoding for the task's metrics either).
     """
+    if model.config.mixer != "attention":
+        logits = model.apply({"params": params}, batch["inputs"])
+        loss, token_accuracy = scored_loss(logits, batch)
+        logits_fn = lambda tokens: model.apply({"params": params}, tokens)
+        return {"loss": loss, "token_accuracy": token_accuracy,
+                **task.eval_metrics(Decoding(logits_fn), logits, batch)}
     logits, weights = model.apply({"params": params}, batch["inputs"], head_mask=head_mask, return_weights=True)
     loss, token_accuracy = scored_loss(logits, batch)
     logits_fn = lambda tokens: model.apply({"params": params}, tokens, head_mask=head_mask)
@@ -500,7 +508,7 @@ def _check_run(model_cfg: ModelConfig, task: Task, seeds: list[int]) -> None:
 def train_seeds(
     model_cfg: ModelConfig, task: Task, cfg: TrainConfig, seeds: Sequence[int], *, use_vmap: bool = True,
     mesh: jax.sharding.Mesh | None = None, callback: Callable[[dict[str, Any]], None] | None = None,
-    state_dir: str | Path | None = None, sequence_parallel_kind: str = "ring",
+    state_dir: str | Path | None = None, sequence_parallel_kind: str = "ring", eval_steps: Sequence[int] = (),
 ) -> SeedsResult:
     """Trains one model per seed: all seeds in one vmapped program (or, with
     `use_vmap=False`, one after another, for comparison).
@@ -525,6 +533,10 @@ def train_seeds(
     this returns or raises (Ctrl-C included). The folder is left in place (delete it
     when the results are safe elsewhere).
 
+    `eval_steps`: evaluate at these steps too, besides every `cfg.eval_every` and the
+    last (each a multiple of `cfg.steps_per_call`; 0 evaluates the initial parameters,
+    before any update), e.g. a log-spaced schedule that resolves the first few steps.
+
     `callback`, if given, receives after every chunk a dict with `step`, `loss`,
     `accuracy` (means over seeds of the chunk), at evaluation points `eval` (the
     metrics of `evaluate`, stacked over seeds) and, once, `stopped` (why the run
@@ -532,27 +544,40 @@ def train_seeds(
 
     Raises:
       ValueError: for seeds that are not distinct, a model that does not fit the
-        task, or a `state_dir` that is damaged or belongs to another run.
+        task, `eval_steps` off the chunk grid or beyond `cfg.num_steps`, or a
+        `state_dir` that is damaged or belongs to another run.
       RuntimeError: at once, naming the step and seed, if a loss is not finite.
     """
     start, seeds = time.perf_counter(), [int(s) for s in seeds]
     _check_run(model_cfg, task, seeds)
+    eval_steps = sorted({int(s) for s in eval_steps})
+    off = [s for s in eval_steps if s % cfg.steps_per_call or not 0 <= s <= cfg.num_steps]
+    if off:
+        raise ValueError(f"eval_steps {off} are not multiples of steps_per_call={cfg.steps_per_call} in "
+                         f"[0, num_steps={cfg.num_steps}]")
     model, optimizer = Decoder(model_cfg), make_optimizer(cfg)
     programs = _programs(model, optimizer, task, cfg, len(seeds), use_vmap, mesh, sequence_parallel_kind)
     # Raw uint32 keys: plain arrays, so they stack and vmap like any other input.
     keys = jax.vmap(jax.random.split)(jnp.stack([jax.random.PRNGKey(s) for s in seeds]))  # (seeds, 2, 2)
-    fingerprint = {"model": dataclasses.asdict(model_cfg), "task": task_to_dict(task),
+    fingerprint = {"model": model_to_dict(model_cfg), "task": task_to_dict(task),
                    "train": dataclasses.asdict(cfg), "seeds": seeds}
+    if eval_steps:  # only when given, so the fingerprints of runs saved before it existed still match
+        fingerprint["eval_steps"] = eval_steps
     fingerprint = json.loads(json.dumps(fingerprint, default=str))  # as it reads back from the saved JSON
     target = _restore_target(abstract_state(model, optimizer, len(seeds)), mesh)
     manager = None if state_dir is None else checkpoint.train_state_manager(state_dir)
     try:
         state, history = _start(programs, keys[:, 0], manager, fingerprint, target)
         resumed_from, wall_before, calls = history["step"], history["wall_seconds"], 0
+        if 0 in eval_steps and not history["evals"]["step"]:  # the initial parameters, once
+            report = {"step": 0, "eval": _evaluate(programs, state, history, cfg, task)}
+            if callback is not None:
+                callback(report)
         while history["step"] < cfg.num_steps and history["stop_reason"] is None:
             state, report = _advance(programs, state, keys[:, 1], history, seeds, timed=calls > 0)
             calls += 1
-            if history["step"] % cfg.eval_every == 0 or history["step"] == cfg.num_steps:
+            if (history["step"] % cfg.eval_every == 0 or history["step"] == cfg.num_steps
+                    or history["step"] in eval_steps):
                 report["eval"] = _evaluate(programs, state, history, cfg, task)
                 history["wall_seconds"] = wall_before + time.perf_counter() - start
                 if manager is not None:  # every process calls it: orbax has each write its own shards
