@@ -78,25 +78,22 @@ def np_attention(q, k, v, mask=None, bias=None, scale=None):
 
 
 def f32_tolerance(*, terms: int, magnitude, dtype=jnp.float32, safety: float = 8.0) -> float:
-    """Absolute tolerance for two computations of the same values that sum in
-    different orders (two paths, sharded vs whole, blocked vs whole, module vs
-    function, float32 vs a float64 reference, or one program on another CPU's vector
-    width): `safety * eps(dtype) * sqrt(terms) * magnitude`.
+    """Absolute tolerance for two float computations of the same values whose sums
+    run in different orders (two paths, sharded vs whole, module vs function, against
+    a float64 reference, or on another CPU's vector width):
+    `safety * eps(dtype) * sqrt(terms) * magnitude`.
 
-    Why sqrt: a sum of n terms rounds once per term, each time by at most eps/2 of
-    the partial sum. The worst case grows like eps * n (Higham, "Accuracy and
-    Stability of Numerical Algorithms", §4.2), but the rounding errors of real data
-    have nearly independent signs and add like a random walk, to about eps * sqrt(n)
-    times the partial sums (Higham & Mary 2019, "A new approach to probabilistic
-    rounding error analysis"); eps * n, with n in the hundreds, would let a 1e-4
-    relative bug through. Reductions that follow one another (a projection over
-    d_model, logits over D, the softmax sum and weights @ v over S, a gradient's sum
-    over the tokens) add their errors the same way: `terms` is the total count.
-    `magnitude`: the size of the values compared and of their partial sums, a number
-    or an array (the reference: its largest finite |entry|). `safety` covers the
-    constants: the largest of many compared entries sits a few sigmas out, exp turns
-    a logit's absolute error into a relative one. A swapped axis, a missing head or a
-    wrong scale is off by a good fraction of `magnitude`, orders of magnitude above.
+    sqrt, not the worst case eps * terms (Higham, "Accuracy and Stability of Numerical
+    Algorithms" §4.2): rounding errors of real data have nearly independent signs and
+    add like a random walk (Higham & Mary 2019, probabilistic rounding error
+    analysis), and eps * terms, with terms in the hundreds, would pass a 1e-4
+    relative bug. `terms`: the summed terms of every reduction on the way, added (D
+    for logits, S for the softmax sum and weights @ v, d_model for projections, the
+    tokens for a parameter's gradient). `magnitude`: the size of the values and their
+    partial sums, a number or the reference array (its largest finite |entry|).
+    `safety` covers the constants (the largest of many entries sits a few sigmas
+    out; exp turns a logit's absolute error into a relative one). A swapped axis, a
+    missing head or a wrong scale is off by a fair fraction of `magnitude`.
     """
     values = np.abs(np.asarray(magnitude, np.float64))
     values = values[np.isfinite(values)]
