@@ -10,12 +10,17 @@ prefix-matching score on a fixed probe (`RepeatTaskConfig(track_induction=True)`
 the curves show when, and whether, an induction head forms. Several seeds per depth in
 one vmapped program each.
 
-    python -m experiments.anchor_induction                   # the page's run (standard)
+    python -m experiments.anchor_induction                   # the registered run (standard)
     python -m experiments.anchor_induction --preset tiny --out /tmp/a   # seconds, a smoke test
 
-Output (--out, default results/anchors/induction): results.json (curves per seed;
+The configuration and the rule come from the registration,
+experiments/preregistration/anchor_induction.toml (committed before the run; the run
+refuses to start while it has uncommitted changes, and its data record the file and
+its commit).
+
+Output (--out, default results/anchors/induction[-<preset>]): results.json (curves per seed;
 a rerun skips the depths already there), artifact.json (per-seed values), summary.md,
-anchor_induction.png. The standard preset also writes the artifact to
+anchor_induction.png. The registered preset also writes the artifact to
 docs/results/data/anchor_induction.json and the figure beside the page
 (docs/results/anchor_induction.png), which `experiments.report` renders the page from.
 """
@@ -24,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -37,6 +41,7 @@ from jax_mha.lab.train import TrainConfig
 
 MODULE = "experiments.anchor_induction"
 NAME = "induction"
+REGISTRATION = common_anchors.registration_path(NAME)  # read at each parse (a test may point it elsewhere)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,43 +53,25 @@ class AnchorConfig:
     task: RepeatTaskConfig
     model: ModelConfig  # num_layers replaced by each depth; d_ff = 0 (attention only)
     train: TrainConfig
-    threshold: float = head_types.INDUCTION_THRESHOLD  # a head is an induction head at this prefix matching
+    threshold: float = head_types.INDUCTION_THRESHOLD  # a head is an induction head at this prefix matching (the rule)
 
     @property
     def seeds(self) -> list[int]:
         return list(range(self.num_seeds))
 
 
-def _preset(task: RepeatTaskConfig, d_model: int, heads: int, steps: int, every: int, seeds: int, batch: int,
-            eval_size: int) -> AnchorConfig:
-    model = ModelConfig(vocab_size=task.vocab_size, max_len=task.seq_len, d_model=d_model, num_heads=heads,
-                        num_layers=2, d_ff=0)
-    # A constant rate after warmup: the formation step then reflects the task, not a decay schedule.
-    train = TrainConfig(batch_size=batch, num_steps=steps, learning_rate=1e-3, warmup_steps=min(30, steps // 4),
-                        end_lr_ratio=1.0, steps_per_call=every, eval_every=every, eval_size=eval_size,
-                        early_stop=False)
-    return AnchorConfig(layers=(1, 2), num_seeds=seeds, task=task, model=model, train=train)
-
-
-def standard() -> AnchorConfig:
-    """1 and 2 layers x 5 seeds, d_model 32, 2 heads, T = 32 (R in [4, 16], 24 symbols),
-    batch 32, 2,000 steps at lr 1e-3, evaluated every 25 steps."""
-    task = RepeatTaskConfig(seq_len=32, min_repeat=4, max_repeat=16, num_symbols=24, track_induction=True)
-    return _preset(task, 32, 2, 2000, 25, 5, 32, 256)
-
-
-def tiny() -> AnchorConfig:
-    """A smoke test in seconds: T = 12, d_model 8, 10 steps (one evaluation), 2 seeds."""
-    task = RepeatTaskConfig(seq_len=12, min_repeat=2, max_repeat=6, num_symbols=8, track_induction=True)
-    return _preset(task, 8, 2, 10, 10, 2, 8, 16)
-
-
-PRESETS: dict[str, Callable[[], AnchorConfig]] = {"standard": standard, "tiny": tiny}
+def from_preset(preset: dict, rule: dict) -> AnchorConfig:
+    """An `AnchorConfig` from a preset table of the registration file and its `[rule]`."""
+    task = RepeatTaskConfig(**preset["task"])
+    model = ModelConfig(vocab_size=task.vocab_size, max_len=task.seq_len, num_layers=max(preset["layers"]),
+                        **preset["model"])
+    return AnchorConfig(layers=tuple(preset["layers"]), num_seeds=preset["seeds"], task=task, model=model,
+                        train=TrainConfig(**preset["train"]), threshold=float(rule["threshold"]))
 
 
 def parse(argv):
-    return common_anchors.parse(argv, MODULE, __doc__, NAME, PRESETS, "layers", "depths (default 1 2)", "depth")
-
+    return common_anchors.parse(argv, MODULE, __doc__, NAME, REGISTRATION, from_preset, "layers",
+                                "depths (default 1 2)", "depth")
 
 
 def train_depth(layers: int, cfg: AnchorConfig, progress: bool) -> dict:
@@ -115,7 +102,7 @@ def artifact(results: dict) -> dict:
     cfg = results["config"]
     keys = ("final_loss", "final_accuracy", "max_prefix_matching", "best_head", "formation_step",
             "half_accuracy_step", "final_copying")
-    return {"kind": "anchor_induction", "task": cfg["task"],
+    return {"kind": "anchor_induction", "preregistration": cfg["preregistration"], "task": cfg["task"],
             "model": {k: cfg["model"][k] for k in ("d_model", "num_heads", "d_ff", "positional", "pre_norm")},
             "train": {k: cfg["train"][k] for k in ("batch_size", "num_steps", "learning_rate", "warmup_steps",
                                                    "eval_every", "eval_size")},
@@ -168,7 +155,8 @@ def main(argv=None) -> dict:
                                    chance=head_types.prefix_matching_chance(cfg.task.probe_repeat))
     print(f"anchor {NAME}: depths {cfg.layers}, {cfg.num_seeds} seeds, {cfg.train.num_steps} steps; writing to "
           f"{args.out}/", flush=True)
-    common_anchors.train_arms(results, cfg.layers, lambda v: train_depth(v, cfg, not args.no_progress), args.out,
+    common_anchors.train_arms(results, [(str(n), n) for n in cfg.layers],
+                              lambda v: train_depth(v, cfg, not args.no_progress), args.out,
                               lambda n: f"{n} layer(s)", "depths")
     common_anchors.finish(results, args, NAME, artifact, plot)
     return results

@@ -12,12 +12,17 @@ bigram counts), and the KL divergence of each strategy to the model says which o
 model is closest to. The true chain's loss (the oracle, from the transition matrices of
 the same rows) is the floor.
 
-    python -m experiments.anchor_markov                   # the page's run (standard)
+    python -m experiments.anchor_markov                   # the registered run (standard)
     python -m experiments.anchor_markov --preset tiny --out /tmp/c   # seconds, a smoke test
 
-Output (--out, default results/anchors/markov): results.json (curves per seed; a rerun
+The configuration (the evaluation schedule included: from step 0, log-spaced) and the
+rule come from the registration, experiments/preregistration/anchor_markov.toml
+(committed before the run; the run refuses to start while it has uncommitted changes,
+and its data record the file and its commit).
+
+Output (--out, default results/anchors/markov[-<preset>]): results.json (curves per seed; a rerun
 skips the depths already there), artifact.json, summary.md, anchor_markov.png. The
-standard preset also writes the artifact to docs/results/data/anchor_markov.json and the
+registered preset also writes the artifact to docs/results/data/anchor_markov.json and the
 figure beside the page (docs/results/anchor_markov.png).
 """
 
@@ -25,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -37,6 +41,7 @@ from jax_mha.lab.train import TrainConfig
 
 MODULE = "experiments.anchor_markov"
 NAME = "markov"
+REGISTRATION = common_anchors.registration_path(NAME)  # read at each parse (a test may point it elsewhere)
 STRATEGIES = ("uniform", "unigram", "bigram")
 
 
@@ -49,41 +54,36 @@ class AnchorConfig:
     task: MarkovTaskConfig
     model: ModelConfig  # num_layers replaced by each depth; d_ff = 0 (attention only)
     train: TrainConfig
+    # Held-out evaluations besides train.eval_every: from step 0 (the initial parameters),
+    # log-spaced, so that each stage, the first uniform one included, is seen.
+    eval_steps: tuple[int, ...] = ()
     paper_rows: int = 4096  # rows behind the strategy lines of the paper's code setting (0: none)
+
+    def __post_init__(self):
+        off = [s for s in self.eval_steps if s % self.train.steps_per_call or not 0 <= s <= self.train.num_steps]
+        if off:
+            raise ValueError(f"eval_steps {off} are not multiples of steps_per_call={self.train.steps_per_call} in "
+                             f"[0, num_steps={self.train.num_steps}]")
 
     @property
     def seeds(self) -> list[int]:
         return list(range(self.num_seeds))
 
 
-def _preset(task: MarkovTaskConfig, d_model: int, steps: int, every: int, seeds: int, eval_size: int,
-            batch: int = 64) -> AnchorConfig:
-    model = ModelConfig(vocab_size=task.vocab_size, max_len=task.seq_len, d_model=d_model, num_heads=1,
-                        num_layers=2, d_ff=0)
-    # Constant after warmup, as the paper's trainer (minGPT's AdamW, no schedule).
-    train = TrainConfig(batch_size=batch, num_steps=steps, learning_rate=3e-3, warmup_steps=min(50, steps // 4),
-                        end_lr_ratio=1.0, steps_per_call=every, eval_every=every, eval_size=eval_size,
-                        early_stop=False)
-    return AnchorConfig(layers=(1, 2), num_seeds=seeds, task=task, model=model, train=train)
-
-
-def standard() -> AnchorConfig:
-    """1 and 2 layers x 5 seeds; k = 3 states, T = 64; d_model 32, one head per layer;
-    batch 64, 2,000 steps at lr 3e-3, evaluated every 20 steps on 512 rows."""
-    return _preset(MarkovTaskConfig(seq_len=64, num_states=3), 32, 2000, 20, 5, 512)
-
-
-def tiny() -> AnchorConfig:
-    """A smoke test in seconds: k = 3, T = 12, d_model 8, 10 steps, 2 seeds, no paper-setting lines."""
-    return dataclasses.replace(_preset(MarkovTaskConfig(seq_len=12, num_states=3), 8, 10, 10, 2, 16, batch=8),
-                               paper_rows=0)
-
-
-PRESETS: dict[str, Callable[[], AnchorConfig]] = {"standard": standard, "tiny": tiny}
+def from_preset(preset: dict, rule: dict) -> AnchorConfig:
+    """An `AnchorConfig` from a preset table of the registration file (the rule has no
+    numbers: `common_anchors.markov_staged` is it)."""
+    task = MarkovTaskConfig(**preset["task"])
+    model = ModelConfig(vocab_size=task.vocab_size, max_len=task.seq_len, num_layers=max(preset["layers"]),
+                        **preset["model"])
+    return AnchorConfig(layers=tuple(preset["layers"]), num_seeds=preset["seeds"], task=task, model=model,
+                        train=TrainConfig(**preset["train"]), eval_steps=tuple(preset["eval_steps"]),
+                        paper_rows=preset.get("paper_rows", 4096))
 
 
 def parse(argv):
-    return common_anchors.parse(argv, MODULE, __doc__, NAME, PRESETS, "layers", "depths (default 1 2)", "depth")
+    return common_anchors.parse(argv, MODULE, __doc__, NAME, REGISTRATION, from_preset, "layers",
+                                "depths (default 1 2)", "depth")
 
 
 def strategy_losses(task: MarkovTaskConfig, key, rows: int) -> dict[str, float]:
@@ -130,10 +130,10 @@ def artifact(results: dict) -> dict:
     """The per-seed values the page is rendered from (kind "anchor_markov"): no curves."""
     cfg = results["config"]
     keys = ("stages", "final_loss", "final_kl_uniform", "final_kl_unigram", "final_kl_bigram")
-    return {"kind": "anchor_markov", "task": cfg["task"],
+    return {"kind": "anchor_markov", "preregistration": cfg["preregistration"], "task": cfg["task"],
             "model": {k: cfg["model"][k] for k in ("d_model", "num_heads", "d_ff", "positional", "pre_norm")},
-            "train": {k: cfg["train"][k] for k in ("batch_size", "num_steps", "learning_rate", "warmup_steps",
-                                                   "eval_every", "eval_size")},
+            "train": {**{k: cfg["train"][k] for k in ("batch_size", "num_steps", "learning_rate", "warmup_steps",
+                                                      "eval_every", "eval_size")}, "eval_steps": cfg["eval_steps"]},
             "reference": results["reference"], "paper_setting": results["paper_setting"],
             "metadata": {k: results["metadata"].get(k) for k in ("cpu", "cpu_count", "load_average", "commit",
                                                                   "dirty", "argv")},
@@ -166,6 +166,8 @@ def plot(results: dict, path: Path) -> None:
     axes[1].set(xlabel="optimizer step", ylabel="KL(strategy ‖ model), nats", yscale="log",
                 title=f"Which strategy the {max(arms)}-layer model is closest to (one line per seed)")
     for ax in axes:
+        if cfg.get("eval_steps"):  # log-spaced from step 0: a linear axis up to 20, logarithmic beyond
+            ax.set_xscale("symlog", linthresh=20)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"In-context Markov chains (k = {t['num_states']}, T = {t['seq_len']}, Dirichlet("
@@ -194,13 +196,14 @@ def main(argv=None) -> dict:
         return replotted
     # The depths are the variable, not part of the configuration: a rerun may add depths to the folder.
     config = {"task": task_to_dict(cfg.task), "model": dataclasses.asdict(cfg.model),
-              "train": dataclasses.asdict(cfg.train), "num_seeds": cfg.num_seeds}
+              "train": dataclasses.asdict(cfg.train), "eval_steps": list(cfg.eval_steps), "num_seeds": cfg.num_seeds}
     ours, paper = references(cfg)
     results = common_anchors.begin(args, config, reference=ours, paper_setting=paper)
     print(f"anchor {NAME}: depths {cfg.layers}, {cfg.num_seeds} seeds, {cfg.train.num_steps} steps; strategy "
           f"losses on the held-out rows: " + ", ".join(f"{k} {v:.4f}" for k, v in ours.items() if k != "rows")
           + f"; writing to {args.out}/", flush=True)
-    common_anchors.train_arms(results, cfg.layers, lambda v: train_depth(v, cfg, not args.no_progress), args.out,
+    common_anchors.train_arms(results, [(str(n), n) for n in cfg.layers],
+                              lambda v: train_depth(v, cfg, not args.no_progress), args.out,
                               lambda n: f"{n} layer(s)", "depths")
     common_anchors.finish(results, args, NAME, artifact, plot)
     return results

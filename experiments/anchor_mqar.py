@@ -1,87 +1,110 @@
-"""Anchor (b): attention solves multi-query associative recall at every model width
-of Zoology's Figure 2 (Arora et al. 2023), on a scaled-down grid.
+"""Anchor (b): attention solves multi-query associative recall at every width and
+sequence length, where a gated convolution needs a width that grows with the sequence
+(Zoology's Figure 2, Arora et al. 2023), on a scaled-down grid.
 
-Zoology's attention baseline is 2 layers of one-head attention with no MLP (its state
-mixer is the identity), trained on MQAR with single-token keys at d_model 64–512 and
-sequence lengths 64–512. Here: the same architecture (`ModelConfig(d_ff=0)`, one head,
-learned positions), on the harness's MQAR with single-token keys and queries that repeat
-keys (`RecallTaskConfig(key_tokens=1)`, T = 33), at d_model 8, 16, 32 and 64 — the
-paper's smallest width and three below it — with one fixed step budget and learning
-rate for every width (Zoology takes the best of four rates). The outcome per width is
-the share of seeds that solve the task (final held-out recall accuracy >= 0.9) with
-Wilson's interval, and the final accuracy with a t interval over seeds.
+Two arms, as in Zoology: 2 layers of one-head attention with no MLP (its state mixer is
+the identity), and a gated convolution in the same frame (`ModelConfig(mixer="gated_conv")`,
+`jax_mha.lab.models.GatedConvMixer`: short causal convolutions, a long causal filter and
+a multiplicative gate, H3-style). Each trains on the harness's MQAR with single-token
+keys and queries that repeat keys (`RecallTaskConfig(key_tokens=1)`; N pairs, then Q
+queries, each of the N keys drawn with repeats, T = 2(N + Q) + 1) at every width and length of the grid, several seeds per cell in one
+vmapped program. The outcome per cell is the share of seeds that solve the task (final
+held-out recall accuracy at the registered threshold) with Wilson's interval, and the
+final accuracy with a t interval over seeds.
 
-    python -m experiments.anchor_mqar                   # the page's run (standard)
+The grid, training and rule come from the registration,
+experiments/preregistration/anchor_mqar.toml (committed before the run; the run refuses
+to start while it has uncommitted changes, and its data record the file and its commit).
+
+    python -m experiments.anchor_mqar                   # the registered run (standard): hours
+    python -m experiments.anchor_mqar --preset quick    # minutes: the page's shape, none of its statistics
     python -m experiments.anchor_mqar --preset tiny --out /tmp/b   # seconds, a smoke test
 
-Output (--out, default results/anchors/mqar): results.json (curves per seed; a rerun
-skips the widths already there), artifact.json, summary.md, anchor_mqar.png. The standard
-preset also writes the artifact to docs/results/data/anchor_mqar.json and the figure
-beside the page (docs/results/anchor_mqar.png).
+Output (--out, default results/anchors/mqar[-<preset>]): results.json (curves per seed; a
+rerun skips the cells already there), artifact.json, summary.md, anchor_mqar.png. The
+registered preset also writes the artifact to docs/results/data/anchor_mqar.json and
+the figure beside the page (docs/results/anchor_mqar.png).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 from experiments import common, common_anchors
 from experiments.common import save_figure
 from jax_mha.lab.data import RecallTaskConfig, task_to_dict
-from jax_mha.lab.models import ModelConfig
+from jax_mha.lab.models import MIXERS, ModelConfig
 from jax_mha.lab.train import TrainConfig
 
 MODULE = "experiments.anchor_mqar"
 NAME = "mqar"
+REGISTRATION = common_anchors.registration_path(NAME)  # read at each parse (a test may point it elsewhere)
 
 
 @dataclasses.dataclass(frozen=True)
 class AnchorConfig:
-    """Widths compared on MQAR, everything else fixed."""
+    """Sequence mixers x lengths x widths on MQAR, everything else fixed."""
 
+    arms: tuple[str, ...]  # sequence mixers (ModelConfig.mixer): "attention", "gated_conv"
     widths: tuple[int, ...]  # d_model values, each divisible by model.num_heads
+    lengths: tuple[tuple[int, int], ...]  # (N pairs, Q queries) per row, one length each: T = 2(N + Q) + 1
     num_seeds: int
-    task: RecallTaskConfig
-    model: ModelConfig  # d_model replaced by each width; d_ff = 0 (attention only), as Zoology's
+    task: RecallTaskConfig  # the alphabets; num_pairs and num_queries replaced by each length's
+    model: ModelConfig  # shared by the arms; mixer, d_model and max_len replaced per cell; d_ff = 0
     train: TrainConfig
-    solved_accuracy: float = 0.9  # a seed solves the task at this final held-out recall accuracy
+    solved_accuracy: float  # a seed solves a cell at this final held-out recall accuracy (the rule)
+    min_drop: float  # the conv arm's fall with length that must occur at one width at least (the rule)
     reference_rows: int = 4096  # rows behind the no-lookup reference line
+
+    def __post_init__(self):
+        bad = [a for a in self.arms if a not in MIXERS]
+        if bad or not self.arms or not self.widths or not self.lengths or self.num_seeds < 1:
+            raise ValueError(f"need arms among {MIXERS}, widths, lengths and num_seeds >= 1; got arms {self.arms}, "
+                             f"widths {self.widths}, lengths {self.lengths}, num_seeds {self.num_seeds}")
+        for w in self.widths:  # each cell's config checks itself; build them all now, before any training
+            for length in self.lengths:
+                for arm in self.arms:
+                    self.model_for(arm, length, w)
 
     @property
     def seeds(self) -> list[int]:
         return list(range(self.num_seeds))
 
+    def task_for(self, length: tuple[int, int]) -> RecallTaskConfig:
+        pairs, queries = length
+        return dataclasses.replace(self.task, num_pairs=pairs, num_queries=queries)
 
-def _preset(task: RecallTaskConfig, widths, steps: int, every: int, seeds: int, batch: int,
-            eval_size: int) -> AnchorConfig:
-    model = ModelConfig(vocab_size=task.vocab_size, max_len=task.seq_len, d_model=max(widths), num_heads=1,
-                        num_layers=2, d_ff=0)
-    train = TrainConfig(batch_size=batch, num_steps=steps, learning_rate=3e-3, warmup_steps=min(50, steps // 4),
-                        steps_per_call=every, eval_every=every, eval_size=eval_size, early_stop=False)
-    return AnchorConfig(widths=tuple(widths), num_seeds=seeds, task=task, model=model, train=train)
+    def model_for(self, arm: str, length: tuple[int, int], width: int) -> ModelConfig:
+        return dataclasses.replace(self.model, mixer=arm, d_model=width, max_len=self.task_for(length).seq_len)
 
-
-def standard() -> AnchorConfig:
-    """d_model 8, 16, 32, 64 x 5 seeds; 8 pairs, 8 queries, 32 keys, 32 values (T = 33);
-    batch 64, 1,500 steps at lr 3e-3 (cosine), evaluated every 50 steps on 512 rows."""
-    task = RecallTaskConfig(num_pairs=8, num_queries=8, num_key_symbols=32, num_values=32, key_tokens=1)
-    return _preset(task, (8, 16, 32, 64), 1500, 50, 5, 64, 512)
+    def cells(self) -> list[tuple[str, int, int]]:
+        """`(arm, (pairs, queries), width)` in training order: each length, then each arm, widths rising."""
+        return [(arm, length, w) for length in self.lengths for arm in self.arms for w in self.widths]
 
 
-def tiny() -> AnchorConfig:
-    """A smoke test in seconds: 3 pairs, d_model 4 and 8, 10 steps, 2 seeds."""
-    task = RecallTaskConfig(num_pairs=3, num_queries=3, num_key_symbols=4, num_values=4, key_tokens=1)
-    return dataclasses.replace(_preset(task, (4, 8), 10, 10, 2, 8, 16), reference_rows=256)
+def cell_key(arm: str, seq_len: int, width: int) -> str:
+    return f"{arm} T={seq_len} d={width}"
 
 
-PRESETS: dict[str, Callable[[], AnchorConfig]] = {"standard": standard, "tiny": tiny}
+def from_preset(preset: dict, rule: dict) -> AnchorConfig:
+    """An `AnchorConfig` from a preset table of the registration file and its `[rule]`."""
+    lengths = tuple((int(length["pairs"]), int(length["queries"])) for length in preset["lengths"])
+    longest = max(lengths, key=sum)
+    task = RecallTaskConfig(num_pairs=longest[0], num_queries=longest[1], key_tokens=1, **preset["task"])
+    model = ModelConfig(vocab_size=task.vocab_size, max_len=task.seq_len, d_model=max(preset["widths"]),
+                        **preset["model"])
+    return AnchorConfig(arms=tuple(preset["arms"]), widths=tuple(preset["widths"]), lengths=lengths,
+                        num_seeds=preset["seeds"], task=task, model=model, train=TrainConfig(**preset["train"]),
+                        solved_accuracy=float(rule["solved_accuracy"]), min_drop=float(rule["min_drop"]),
+                        reference_rows=preset.get("reference_rows", 4096))
 
 
 def parse(argv):
-    return common_anchors.parse(argv, MODULE, __doc__, NAME, PRESETS, "widths", "d_model values", "width")
+    return common_anchors.parse(argv, MODULE, __doc__, NAME, REGISTRATION, from_preset, "widths", "d_model values",
+                                "cell")
 
 
 def value_mode_accuracy(task: RecallTaskConfig, rows: int = 4096, seed: int = 0) -> float:
@@ -100,68 +123,89 @@ def value_mode_accuracy(task: RecallTaskConfig, rows: int = 4096, seed: int = 0)
 
 
 
-def train_width(width: int, cfg: AnchorConfig, progress: bool) -> dict:
-    model = dataclasses.replace(cfg.model, d_model=width)
-    result = common_anchors.train_arm(model, cfg, f"d_model={width:>3}", progress)
+def train_cell(cell: tuple[str, int, int], cfg: AnchorConfig, progress: bool) -> dict:
+    """All seeds of one (arm, (pairs, queries), width) cell; the curves per seed and the values the page reports."""
+    arm, length, width = cell
+    task = cfg.task_for(length)
+    label = f"{common_anchors.MIXER_NAMES[arm]:>10} T={task.seq_len:>3} d={width:>3}"
+    result = common_anchors.train_arm(cfg.model_for(arm, length, width), cfg, label, progress, task=task)
     ev, steps = result.evals, result.evals["step"]
     runs = [{"seed": seed, "eval_loss": ev["loss"][i], "recall_accuracy": ev["recall_accuracy"][i],
              "final_accuracy": float(ev["recall_accuracy"][i, -1]), "final_loss": float(ev["loss"][i, -1]),
              "solve_step": common_anchors.first_step(steps, ev["recall_accuracy"][i], cfg.solved_accuracy)}
             for i, seed in enumerate(result.seeds)]
-    return {"d_model": width, "eval_step": steps, "wall_seconds": result.wall_seconds,
-            "train_seconds": result.train_seconds, "runs": runs}
+    return {"arm": arm, "num_pairs": task.num_pairs, "num_queries": task.num_queries, "seq_len": task.seq_len,
+            "d_model": width, "eval_step": steps,
+            "wall_seconds": result.wall_seconds, "train_seconds": result.train_seconds, "runs": runs}
 
 
 def artifact(results: dict) -> dict:
-    """The per-seed values the page is rendered from (kind "anchor_mqar"): no curves."""
+    """The per-seed values the page is rendered from (kind "anchor_mqar", with "cells":
+    `cells[arm][str(seq_len)][str(d_model)]`): no curves."""
     cfg = results["config"]
-    return {"kind": "anchor_mqar", "task": cfg["task"],
-            "model": {k: cfg["model"][k] for k in ("num_layers", "num_heads", "d_ff", "positional", "pre_norm")},
+    cells: dict = {}
+    for arm in results["arms"].values():
+        cells.setdefault(arm["arm"], {}).setdefault(str(arm["seq_len"]), {})[str(arm["d_model"])] = {
+            "seeds": [r["seed"] for r in arm["runs"]], "wall_seconds": arm["wall_seconds"],
+            **{k: [r[k] for r in arm["runs"]] for k in ("final_accuracy", "final_loss", "solve_step")}}
+    return {"kind": "anchor_mqar", "preregistration": cfg["preregistration"],
+            "solved_accuracy": cfg["solved_accuracy"], "min_drop": cfg["min_drop"],
+            "arms": cfg["arms"], "widths": results["widths"], "lengths": results["lengths"],
+            "task": {k: v for k, v in cfg["task"].items() if k not in ("num_pairs", "num_queries")},
+            "model": {k: cfg["model"][k] for k in ("num_layers", "num_heads", "d_ff", "positional", "pre_norm",
+                                                   "conv_kernel")},
             "train": {k: cfg["train"][k] for k in ("batch_size", "num_steps", "learning_rate", "warmup_steps",
-                                                   "eval_every", "eval_size")},
-            "solved_accuracy": cfg["solved_accuracy"], "reference": results["reference"],
+                                                   "end_lr_ratio", "eval_every", "eval_size")},
+            "reference": results["reference"],
             "metadata": {k: results["metadata"].get(k) for k in ("cpu", "cpu_count", "load_average", "commit",
                                                                   "dirty", "argv")},
-            "widths": {key: {"seeds": [r["seed"] for r in arm["runs"]], "wall_seconds": arm["wall_seconds"],
-                             **{k: [r[k] for r in arm["runs"]] for k in ("final_accuracy", "final_loss", "solve_step")}}
-                       for key, arm in results["arms"].items()}}
+            "cells": cells}
 
 
 def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    cfg, meta, ref = results["config"], results["metadata"], results["reference"]
-    t = cfg["task"]
-    widths = sorted(results["arms"], key=int)
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.0), layout="constrained")
-    for i, key in enumerate(widths):
-        arm = results["arms"][key]
-        for j, run in enumerate(arm["runs"]):
-            axes[0].plot(arm["eval_step"], run["recall_accuracy"], color=f"C{i}", alpha=0.8,
-                         label=f"d_model = {key}" if j == 0 else None)
-        accs = [run["final_accuracy"] for run in arm["runs"]]
-        axes[1].scatter(np.full(len(accs), int(key)), accs, color="grey", s=16, zorder=3,
-                        label="one seed" if i == 0 else None)
-    means = [np.mean([r["final_accuracy"] for r in results["arms"][k]["runs"]]) for k in widths]
-    axes[1].plot([int(k) for k in widths], means, marker="o", color="C0", label="mean over seeds")
-    axes[1].axvspan(64, max(512, int(widths[-1])), color="C2", alpha=0.12, label="Zoology Fig. 2 widths (64–512)")
-    for ax in axes:
-        ax.axhline(ref["chance"], color="grey", ls=":", label="chance")
+    cfg, meta = results["config"], results["metadata"]
+    lengths = [length["seq_len"] for length in results["lengths"]]
+    arms = [a for a in results["arms"].values()]
+    fig, axes = plt.subplots(1, 1 + len(lengths), figsize=(6 + 5 * len(lengths), 5.0), layout="constrained",
+                             squeeze=False)
+    axes = axes[0]
+    colors = {arm: f"C{i}" for i, arm in enumerate(cfg["arms"])}
+    styles = ["-", "--", ":", "-."]
+    for arm in cfg["arms"]:
+        for j, t in enumerate(lengths):
+            cells = sorted((a for a in arms if a["arm"] == arm and a["seq_len"] == t), key=lambda a: a["d_model"])
+            if not cells:
+                continue
+            widths = [c["d_model"] for c in cells]
+            finals = [[r["final_accuracy"] for r in c["runs"]] for c in cells]
+            axes[0].plot(widths, [np.mean(f) for f in finals], marker="o", color=colors[arm], ls=styles[j % 4],
+                         label=f"{common_anchors.MIXER_NAMES[arm]}, T = {t}")
+            for w, f in zip(widths, finals):
+                axes[0].scatter(np.full(len(f), w), f, color=colors[arm], s=12, alpha=0.5)
+            for k, c in enumerate(cells):
+                curve = np.mean([r["recall_accuracy"] for r in c["runs"]], axis=0)
+                axes[1 + j].plot(c["eval_step"], curve, color=colors[arm], alpha=0.35 + 0.65 * (k + 1) / len(cells),
+                                 label=f"{common_anchors.MIXER_NAMES[arm]}, d = {c['d_model']}")
+    for j, t in enumerate(lengths):
+        ref = results["reference"][str(t)]
+        ax = axes[1 + j]
         ax.axhline(ref["value_mode"], color="grey", ls="--", label="most common value, no key lookup")
-        ax.axhline(cfg["solved_accuracy"], color="black", lw=0.8, label=f"solved ({cfg['solved_accuracy']:g})")
+        ax.set(xlabel="optimizer step", ylabel="held-out recall accuracy (mean over seeds)", ylim=(0, 1.02),
+               title=f"T = {t} ({results['lengths'][j]['num_pairs']} pairs, {results['lengths'][j]['num_queries']} "
+                     "queries)")
+    axes[0].set(xscale="log", xlabel="d_model", ylabel="final held-out recall accuracy", ylim=(0, 1.02),
+                title="Final accuracy against width (dots: seeds)")
+    for ax in axes:
+        ax.axhline(cfg["solved_accuracy"], color="black", lw=0.8)
         ax.grid(alpha=0.3)
-    axes[0].set(xlabel="optimizer step", ylabel="held-out recall accuracy", ylim=(0, 1.02),
-                title="Held-out recall accuracy (one line per seed)")
-    axes[1].set(xscale="log", xlabel="d_model (one head: head dim = d_model)", ylabel="final held-out recall accuracy",
-                ylim=(0, 1.02), xlim=(int(widths[0]) / 1.5, 600), title="Final accuracy vs width")
-    axes[0].legend(fontsize=8)
-    axes[1].legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"MQAR, single-token keys ({t['num_pairs']} pairs, {t['num_queries']} queries, T = "
-                 f"{results['seq_len']}), 2-layer 1-head attention, no MLP; {cfg['num_seeds']} seeds per width\n"
-                 f"machine: {meta['cpu']}, {meta['cpu_count']} cores (shared)")
+        ax.legend(fontsize=7)
+    t = cfg["task"]
+    fig.suptitle(f"MQAR, single-token keys ({t['num_key_symbols']} keys, {t['num_values']} values), attention vs gated "
+                 f"convolution, {cfg['model']['num_layers']} layers, no MLP; {cfg['num_seeds']} seed(s) per cell, "
+                 f"preset {cfg['preregistration']['preset']}\nmachine: {meta['cpu']}, {meta['cpu_count']} cores (shared)")
     save_figure(fig, path)
-
-
 
 
 def main(argv=None) -> dict:
@@ -169,16 +213,22 @@ def main(argv=None) -> dict:
     replotted = common_anchors.start(args, NAME, artifact, plot)
     if replotted is not None:
         return replotted
-    config = {"task": task_to_dict(cfg.task), "model": dataclasses.asdict(cfg.model),
-              "train": dataclasses.asdict(cfg.train), "num_seeds": cfg.num_seeds, "solved_accuracy": cfg.solved_accuracy}
-    del config["model"]["d_model"]  # the variable: a rerun may add widths to the same folder
-    results = common_anchors.begin(args, config, seq_len=cfg.task.seq_len, reference={
-        "chance": 1.0 / cfg.task.num_values, "rows": cfg.reference_rows,
-        "value_mode": value_mode_accuracy(cfg.task, cfg.reference_rows)})
-    print(f"anchor {NAME}: widths {cfg.widths}, {cfg.num_seeds} seeds, {cfg.train.num_steps} steps, T = "
-          f"{cfg.task.seq_len}; writing to {args.out}/", flush=True)
-    common_anchors.train_arms(results, cfg.widths, lambda v: train_width(v, cfg, not args.no_progress), args.out,
-                              lambda w: f"d_model={w}", "widths")
+    # The widths are not part of the configuration: a rerun may add widths to the same folder.
+    config = {"task": task_to_dict(cfg.task), "model": dataclasses.asdict(cfg.model), "train": dataclasses.asdict(cfg.train),
+              "arms": list(cfg.arms), "lengths": [list(x) for x in cfg.lengths], "num_seeds": cfg.num_seeds,
+              "solved_accuracy": cfg.solved_accuracy, "min_drop": cfg.min_drop}
+    for key in ("d_model", "max_len", "mixer"):
+        del config["model"][key]  # set per cell
+    lengths = [{"num_pairs": n, "num_queries": q, "seq_len": cfg.task_for((n, q)).seq_len} for n, q in cfg.lengths]
+    reference = {str(cfg.task_for(x).seq_len): {"chance": 1.0 / cfg.task.num_values, "rows": cfg.reference_rows,
+                                                "value_mode": value_mode_accuracy(cfg.task_for(x), cfg.reference_rows)}
+                 for x in cfg.lengths}
+    results = common_anchors.begin(args, config, widths=list(cfg.widths), lengths=lengths, reference=reference)
+    print(f"anchor {NAME}: {', '.join(cfg.arms)} x T = {[x['seq_len'] for x in lengths]} x d_model {list(cfg.widths)}, "
+          f"{cfg.num_seeds} seeds, {cfg.train.num_steps} steps; writing to {args.out}/", flush=True)
+    items = [(cell_key(arm, cfg.task_for(length).seq_len, w), (arm, length, w)) for arm, length, w in cfg.cells()]
+    common_anchors.train_arms(results, items, lambda cell: train_cell(cell, cfg, not args.no_progress), args.out,
+                              lambda cell: cell_key(cell[0], cfg.task_for(cell[1]).seq_len, cell[2]), "cells")
     common_anchors.finish(results, args, NAME, artifact, plot)
     return results
 

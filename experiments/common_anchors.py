@@ -15,11 +15,21 @@ paragraph: reproduced or not, by the rule the page states). `anchor_mqar` and `a
 The published side is quoted text, kept here as constants: what each paper states and
 where (figure, section); where a value was read off a figure rather than printed, the
 text says so.
+
+Registration. Each anchor's rule and configuration are committed before its run in
+`experiments/preregistration/anchor_<name>.toml` (`registration_path`): the study builds
+its configuration from a preset of that file only, refuses to start while the file has
+uncommitted changes (one argparse `error:` line, exit 2), and its data record
+`preregistration: {file, commit, preset, registered, overrides}` (`commit`: the last
+commit that touched the file). Every verdict ends with `registration_note`: registered,
+not the registered run (another preset, or command-line overrides), or not registered
+(data written before the files existed).
 """
 
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -64,6 +74,59 @@ def _machine(data: dict) -> str:
     load = meta.get("load_average")
     load_text = f", load average {load[0]:.1f} at the start" if load else ""
     return f"{meta.get('cpu', 'unknown CPU')}, {meta.get('cpu_count', '?')} cores{load_text}"
+
+
+REGISTRATIONS = Path(__file__).resolve().parent / "preregistration"
+
+
+def registration_path(name: str) -> Path:
+    """The registration file of anchor `name` (`experiments/preregistration/anchor_<name>.toml`)."""
+    return REGISTRATIONS / f"anchor_{name}.toml"
+
+
+def read_registration(path: Path) -> dict:
+    """The parsed TOML of a registration file.
+
+    Raises:
+      OSError, ValueError (tomllib.TOMLDecodeError): unreadable or not TOML.
+      KeyError: without `registered_preset`, `[rule]` or `[presets]`, or with a
+        `registered_preset` that is not among the presets.
+    """
+    import tomllib
+
+    reg = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    for key in ("registered_preset", "rule", "presets"):
+        if key not in reg:
+            raise KeyError(f"{path} has no {key!r}")
+    if reg["registered_preset"] not in reg["presets"]:
+        raise KeyError(f"{path}: registered_preset {reg['registered_preset']!r} is not among its presets")
+    return reg
+
+
+def registration_note(data: dict, name: str) -> str:
+    """One sentence: which registration the data were run under, if any."""
+    reg = data.get("preregistration")
+    if reg is None:
+        return (f"Not registered: these data record no registration (they predate "
+                f"`experiments/preregistration/anchor_{name}.toml`), so the rule was not fixed in a committed file "
+                "before the run.")
+    where = f"`{reg['file']}` at commit `{str(reg['commit'])[:10]}`"
+    if reg.get("registered"):
+        return f"Registered: the rule and configuration of {where} (preset {reg['preset']}), committed before the run."
+    changed = "".join(f", --{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                      for k, v in (reg.get("overrides") or {}).items())
+    return (f"Not the registered run: preset {reg['preset']}{changed} of {where} (registered: preset "
+            f"{reg.get('registered_preset', 'standard')} as committed); it shows the page's shape, not the registered "
+            "test.")
+
+
+def verdict_word(data: dict, ok: bool) -> str:
+    """**Reproduced** / **Not reproduced**; for a run that is not the registered one, no
+    verdict, only what the rule's arithmetic gives on it."""
+    reg = data.get("preregistration")
+    if reg is not None and not reg.get("registered"):
+        return f"**No verdict** (not the registered run; the rule's arithmetic on it: {'reproduced' if ok else 'not reproduced'})"
+    return f"**{'Reproduced' if ok else 'Not reproduced'}**"
 
 
 # ----------------------------------------------------------------- (a) induction heads: 1 vs 2 layers
@@ -125,26 +188,34 @@ def induction_paper(data: dict) -> str:
 def induction_verdict(data: dict) -> str:
     arms = dict(_arms(data))
     if 1 not in arms or 2 not in arms:
-        return "Not decided: the run has not trained both depths."
+        return f"Not decided: the run has not trained both depths. {registration_note(data, 'induction')}"
     none_in_one = not any(induction_has_head(data, arms[1]))
     all_in_two = all(induction_has_head(data, arms[2]))
     ok = none_in_one and all_in_two
-    return (f"**{'Reproduced' if ok else 'Not reproduced'}** by the page's rule (no one-layer seed with a head at "
+    return (f"{verdict_word(data, ok)} by the page's rule (no one-layer seed with a head at "
             f"prefix matching ≥ {data['threshold']:g}, every two-layer seed with one): one layer "
             f"{share(induction_has_head(data, arms[1]))}, two layers {share(induction_has_head(data, arms[2]))}. "
-            f"Machine: {_machine(data)}.")
+            f"Machine: {_machine(data)}. {registration_note(data, 'induction')}")
 
 
 # ----------------------------------------------------------------- (b) Zoology: MQAR accuracy vs width
 
 ZOOLOGY = "Arora et al. 2023, Figure 2; grid from the authors' iclr24_zoology_figure2/configs.py"
+MIXER_NAMES = {"attention": "attention", "gated_conv": "gated conv"}
 
 
 def mqar_solved(data: dict, arm: dict) -> list[bool]:
+    """Per seed of one cell (or, in data before the arms, one width): final held-out
+    recall accuracy at or above the rule's threshold."""
     return [a is not None and a >= data["solved_accuracy"] for a in arm["final_accuracy"]]
 
 
-def mqar_table(data: dict) -> str:
+# Data written before the registration (kind anchor_mqar without "cells"): attention only,
+# one length, per width under "widths". Rendered as they were, with the verdict saying
+# they are not registered.
+
+
+def _mqar_table_v1(data: dict) -> str:
     rows = []
     for width, arm in _arms(data, "widths"):
         rows.append([width, width // data["model"]["num_heads"], share(mqar_solved(data, arm)),
@@ -155,7 +226,7 @@ def mqar_table(data: dict) -> str:
     return table(header, ["r"] * 7, rows)
 
 
-def mqar_paper(data: dict) -> str:
+def _mqar_paper_v1(data: dict) -> str:
     t, m, tr = data["task"], data["model"], data["train"]
     widths = _arms(data, "widths")
     rows = [
@@ -182,24 +253,159 @@ def mqar_paper(data: dict) -> str:
     return table(["", f"paper ({ZOOLOGY})", "ours"], ["l", "l", "l"], rows)
 
 
-def mqar_reference(data: dict) -> str:
+def _mqar_reference_v1(data: dict) -> str:
     ref = data["reference"]
     return (f"Reference lines on the same generator ({ref['rows']:,} rows): chance {num(ref['chance'], 3)}; answering "
             f"every query with the row's most common value (reading values, no key lookup) {num(ref['value_mode'], 3)}; "
             "the key lookup 1.")
 
 
-def mqar_verdict(data: dict) -> str:
+def _mqar_verdict_v1(data: dict) -> str:
     widths = dict(_arms(data, "widths"))
     at_64 = widths.get(64)
     if at_64 is None:
-        return "Not decided: the run has no d_model = 64, the paper's smallest width."
+        return f"Not decided: the run has no d_model = 64, the paper's smallest width. {registration_note(data, 'mqar')}"
     ok = all(mqar_solved(data, at_64))
     below = [f"d={w}: {share(mqar_solved(data, a))}" for w, a in sorted(widths.items()) if w < 64]
-    return (f"**{'Reproduced' if ok else 'Not reproduced'}** by the page's rule (every seed at d_model = 64, the "
+    return (f"{verdict_word(data, ok)} by the page's rule (every seed at d_model = 64, the "
             f"paper's smallest width, ends at recall accuracy ≥ {data['solved_accuracy']:g}): "
             f"{share(mqar_solved(data, at_64))}. Below the paper's grid (our extension, same step budget): "
-            f"{'; '.join(below) if below else DASH}. Machine: {_machine(data)}.")
+            f"{'; '.join(below) if below else DASH}. Machine: {_machine(data)}. {registration_note(data, 'mqar')}")
+
+
+# Registered data ("cells"): arms x lengths x widths, cells[arm][str(seq_len)][str(width)].
+
+
+def _mqar_cell(data: dict, arm: str, seq_len: int, width: int) -> dict | None:
+    return data["cells"].get(arm, {}).get(str(seq_len), {}).get(str(width))
+
+
+def _mqar_lengths(data: dict) -> list[int]:
+    return [length["seq_len"] for length in data["lengths"]]
+
+
+def _mean(values: Sequence[float | None]) -> float:
+    return stats.t_interval([v for v in values if v is not None]).mean
+
+
+def mqar_rule(data: dict) -> dict | None:
+    """The registered rule's parts on the data (None while a cell is missing): `a`
+    (attention: every seed of every cell solved), `drops` (per consecutive pair of lengths
+    and width: the conv arm's mean at the shorter and at the longer length, and whether
+    that width passes: lower at the longer length, or both solved), `big_drop` (somewhere,
+    a mean at the shorter length at least `min_drop` above that length's no-lookup line,
+    i.e. some key lookup, that falls by at least `min_drop` at the longer length), `b`
+    (every width passes and a big drop), `ok`."""
+    lengths, widths, solved = _mqar_lengths(data), data["widths"], data["solved_accuracy"]
+    if any(_mqar_cell(data, arm, t, w) is None for arm in ("attention", "gated_conv") for t in lengths for w in widths):
+        return None
+    a_runs = [ok for t in lengths for w in widths for ok in mqar_solved(data, _mqar_cell(data, "attention", t, w))]
+    drops = []
+    for short, long in zip(lengths, lengths[1:]):
+        floor = data["reference"][str(short)]["value_mode"]
+        for w in widths:
+            ms = _mean(_mqar_cell(data, "gated_conv", short, w)["final_accuracy"])
+            ml = _mean(_mqar_cell(data, "gated_conv", long, w)["final_accuracy"])
+            drops.append({"short": short, "long": long, "width": w, "mean_short": ms, "mean_long": ml,
+                          "passes": bool(ml < ms or (ms >= solved and ml >= solved)),
+                          "big": bool(ms >= floor + data["min_drop"] and ms - ml >= data["min_drop"])})
+    big = any(d["big"] for d in drops)
+    a, b = all(a_runs), all(d["passes"] for d in drops) and big
+    return {"a": a, "a_runs": a_runs, "drops": drops, "big_drop": big, "b": b, "ok": a and b}
+
+
+def _smallest_solving_width(data: dict, arm: str, seq_len: int) -> str:
+    for w in data["widths"]:
+        cell = _mqar_cell(data, arm, seq_len, w)
+        if cell is not None and _mean(cell["final_accuracy"]) >= data["solved_accuracy"]:
+            return str(w)
+    return "never"
+
+
+def mqar_table(data: dict) -> str:
+    if "cells" not in data:
+        return _mqar_table_v1(data)
+    rows = []
+    for arm in data["arms"]:
+        for length in data["lengths"]:
+            for w in data["widths"]:
+                cell = _mqar_cell(data, arm, length["seq_len"], w)
+                if cell is None:
+                    continue
+                rows.append([MIXER_NAMES.get(arm, arm), f"{length['seq_len']} ({length['num_pairs']})", w,
+                             share(mqar_solved(data, cell)), t_cell(cell["final_accuracy"], 3),
+                             ", ".join(num(a, 3) for a in cell["final_accuracy"]), steps_cell(cell["solve_step"]),
+                             round(cell["wall_seconds"])])
+    header = ["sequence mixer", "T (pairs)", "d_model", f"seeds solved (accuracy ≥ {data['solved_accuracy']:g}) "
+              "[Wilson 95 %]", "final recall accuracy [95 % t]", "per seed", "step reaching it: median (range; seeds)",
+              "wall s"]
+    return table(header, ["l", "r", "r", "r", "r", "r", "r", "r"], rows)
+
+
+def mqar_reference(data: dict) -> str:
+    if "cells" not in data:
+        return _mqar_reference_v1(data)
+    ref = data["reference"]
+    modes = "; ".join(f"T = {t}: {num(ref[str(t)]['value_mode'], 3)}" for t in _mqar_lengths(data))
+    rows = ref[str(_mqar_lengths(data)[0])]["rows"]
+    return (f"Reference lines on the same generator ({rows:,} rows per length): chance "
+            f"{num(ref[str(_mqar_lengths(data)[0])]['chance'], 4)}; answering every query with the row's most common "
+            f"value (reading values, no key lookup) {modes}; the key lookup 1.")
+
+
+def mqar_paper(data: dict) -> str:
+    if "cells" not in data:
+        return _mqar_paper_v1(data)
+    t, m, tr = data["task"], data["model"], data["train"]
+    lengths = _mqar_lengths(data)
+    per_width = lambda arm: "; ".join(
+        f"T={length}: " + ", ".join(f"d={w} {num(_mean(c['final_accuracy']), 2)}" for w in data["widths"]
+                                    if (c := _mqar_cell(data, arm, length, w)) is not None) for length in lengths)
+    rows = [
+        ["task", "MQAR: single-token keys and values from a vocabulary of 8,192 (keys from one half, values from "
+         "the other); key-value pairs first, then each key queried once at power-law-distributed gaps",
+         f"MQAR of `RecallTaskConfig(key_tokens=1)`: N pairs of single-token keys ({t['num_key_symbols']} key "
+         f"symbols, {t['num_values']} values), then Q queries, each one of the N keys drawn with repeats, back to "
+         f"back (vocabulary {4 + t['num_key_symbols'] + t['num_values']})"],
+        ["sequence length / key-value pairs", "64/4, 128/8, 256/16, 512/64",
+         ", ".join(f"{length['seq_len']}/{length['num_pairs']} ({length['num_queries']} queries)"
+                   for length in data["lengths"])],
+        ["models", "attention: 2 layers (1 head, dropout 0.1), learned positions; gated convolutions (H3, Hyena, "
+         "BaseConv): 4 layers, no positions; no MLP in any (state mixer: identity)",
+         f"both: {m['num_layers']} layers, no MLP (`d_ff=0`), learned positions, pre-norm; attention: "
+         f"{m['num_heads']} head; gated conv (`mixer='gated_conv'`): short causal convolutions of "
+         f"{m['conv_kernel']} taps on q, k, v, a long causal filter on k ⊙ v, gated by q"],
+        ["widths", "d_model 64, 128, 256, 512", "d_model " + ", ".join(str(w) for w in data["widths"])],
+        ["training", "100,000 examples × 64 epochs, batch 512 (seq ≤ 128), best of 4 learning rates in "
+         "[1e-4, 1e-2]; accuracy on 3,000 test examples",
+         f"{tr['num_steps']} steps × batch {tr['batch_size']} of fresh rows, one learning rate "
+         f"{tr['learning_rate']:g}; accuracy on {tr['eval_size']} held-out rows"],
+        ["attention's accuracy", "≈ 1 at every width and length of the figure (read off the figure, not a printed "
+         "number)", "mean final accuracy: " + per_width("attention")],
+        ["gated convolutions' accuracy", "falls as the sequence grows at a fixed width; the width they need grows "
+         "with the sequence (read off the figure)", "mean final accuracy: " + per_width("gated_conv")],
+    ]
+    return table(["", f"paper ({ZOOLOGY})", "ours"], ["l", "l", "l"], rows)
+
+
+def mqar_verdict(data: dict) -> str:
+    if "cells" not in data:
+        return _mqar_verdict_v1(data)
+    rule = mqar_rule(data)
+    if rule is None:
+        return f"Not decided: the run has not trained every cell of the grid. {registration_note(data, 'mqar')}"
+    solved, lengths = data["solved_accuracy"], _mqar_lengths(data)
+    falls = "; ".join(f"d={d['width']}: {num(d['mean_short'], 3)} → {num(d['mean_long'], 3)}"
+                      f"{'' if d['passes'] else ' (does not fall)'}" for d in rule["drops"])
+    smallest = "; ".join(f"T = {t}: {_smallest_solving_width(data, 'gated_conv', t)}" for t in lengths)
+    return (f"{verdict_word(data, rule['ok'])} by the registered rule. (A) attention solves every cell "
+            f"(every seed ≥ {solved:g}): {'yes' if rule['a'] else 'no'}, {share(rule['a_runs'])} runs. (B) the gated "
+            f"conv's mean final accuracy falls from T = {lengths[0]} to T = {lengths[-1]} at every width (unless both "
+            f"≥ {solved:g}), and at one width at least from ≥ {data['min_drop']:g} above the no-lookup line by "
+            f"≥ {data['min_drop']:g}: {'yes' if rule['b'] else 'no'} ({falls}; such a fall: "
+            f"{'yes' if rule['big_drop'] else 'no'}). Not part of the verdict: the "
+            f"smallest width at which the gated conv's mean reaches {solved:g}: {smallest}. Machine: {_machine(data)}. "
+            f"{registration_note(data, 'mqar')}")
 
 
 # ----------------------------------------------------------------- (c) Edelman et al.: ICL of Markov chains
@@ -231,6 +437,13 @@ def markov_unigram_then_bigram(arm: dict) -> list[bool]:
     return out
 
 
+def markov_first_eval(data: dict) -> int:
+    """The step of the first evaluation: the registered schedule's first (0: before any
+    update), or, for data without one, the evaluation interval."""
+    steps = data["train"].get("eval_steps")
+    return steps[0] if steps else data["train"]["eval_every"]
+
+
 def _stage_step(arm: dict, stage: str) -> list[int | None]:
     return [next((step for s, step in stages if s == stage), None) for stages in arm["stages"]]
 
@@ -256,7 +469,7 @@ def markov_table(data: dict) -> str:
                      ", ".join(s[-1][0] for s in arm["stages"]), round(arm["wall_seconds"])])
     header = ["layers", "seeds going uniform → unigram → bigram [Wilson 95 %]",
               "seeds going unigram → bigram (read after the run) [Wilson 95 %]",
-              f"seeds closest to uniform at the first evaluation (step {data['train']['eval_every']})",
+              f"seeds closest to uniform at the first evaluation (step {markov_first_eval(data)})",
               "step closest to unigram first",
               "step closest to bigram first", "final held-out loss, nats [95 % t]", "final KL(unigram ‖ model) [95 % t]",
               "final KL(bigram ‖ model) [95 % t]", "closest at the end, per seed", "wall s"]
@@ -299,21 +512,24 @@ def markov_paper(data: dict) -> str:
 def markov_verdict(data: dict) -> str:
     arms = dict(_arms(data))
     if 2 not in arms:
-        return "Not decided: the run has not trained the two-layer model."
+        return f"Not decided: the run has not trained the two-layer model. {registration_note(data, 'markov')}"
     two = arms[2]
     two_ok = all(markov_staged(two))
-    text = (f"**{'Reproduced' if two_ok else 'Not reproduced'}** by the page's rule (every two-layer seed's "
+    text = (f"{verdict_word(data, two_ok)} by the page's rule (every two-layer seed's "
             f"closest strategy goes uniform → unigram → bigram and ends at bigram): {share(markov_staged(two))}.")
     late = [st[0][0] != "uniform" for st in two["stages"]]
     if not two_ok and any(late):
         text += (f" In {sum(late)} of {len(late)} seeds the model was already closer to unigram than to uniform at "
-                 f"the first evaluation (step {data['train']['eval_every']}), so a uniform stage, if any, was shorter "
+                 f"the first evaluation (step {markov_first_eval(data)}), so a uniform stage, if any, was shorter "
                  "than that. Read after the run, without the uniform stage: unigram, then bigram, ending at bigram in "
                  f"{share(markov_unigram_then_bigram(two))} seeds.")
+    if "eval_steps" in data["train"]:
+        left = [next((step for s, step in st if s != "uniform"), None) for st in two["stages"]]
+        text += f" First evaluation closest to another strategy than uniform, per seed: {', '.join(map(str, left))}."
     if 1 in arms:
         stays = [s[-1][0] != "bigram" for s in arms[1]["stages"]]
         text += f" One layer does not end closest to bigram in {share(stays)} seeds."
-    return text + f" Machine: {_machine(data)}."
+    return text + f" Machine: {_machine(data)}. {registration_note(data, 'markov')}"
 
 
 RENDERERS: dict[str, dict[str, Callable[[dict], str]]] = {
@@ -365,11 +581,12 @@ def start(args, name: str, artifact: Callable[[dict], dict], plot: Callable[[dic
 
 def begin(args, config: dict, **fields) -> dict:
     """The results record of an anchor run: `config` (what must match for a rerun to
-    resume), the first session's metadata, `fields`, the arms `--out` already holds,
+    resume, the registration included: a registration committed anew starts a new
+    folder), the first session's metadata, `fields`, the arms `--out` already holds,
     and under "resumed" each later session's machine and load."""
     from experiments import common
 
-    config = json.loads(json.dumps(config))  # tuples to lists, as read back
+    config = json.loads(json.dumps({**config, "preregistration": args.preregistration}))  # tuples to lists
     saved, metadata = common.saved_results(args.out / "results.json", config, "arms"), common.run_metadata()
     results = {"config": config, "metadata": saved.get("metadata", metadata), **fields, "arms": saved.get("arms", {})}
     if saved:
@@ -377,31 +594,35 @@ def begin(args, config: dict, **fields) -> dict:
     return results
 
 
-def train_arm(model, cfg, label: str, progress: bool):
-    """All of `cfg.seeds` for one arm's model in one vmapped run (`train_seeds`), with a bar."""
+def train_arm(model, cfg, label: str, progress: bool, task=None):
+    """All of `cfg.seeds` for one arm's model in one vmapped run (`train_seeds`) on
+    `task` (default `cfg.task`), evaluated also at `cfg.eval_steps` if it has them, with
+    a bar."""
     from experiments import common
 
     bar = common.TrainingBar(cfg.train.num_steps, label, not progress)
     try:
-        return train_seeds(model, cfg.task, cfg.train, cfg.seeds, callback=bar)
+        return train_seeds(model, cfg.task if task is None else task, cfg.train, cfg.seeds, callback=bar,
+                           eval_steps=getattr(cfg, "eval_steps", ()))
     finally:
         bar.close()
 
 
-def train_arms(results: dict, values: Sequence[int], train_one: Callable[[int], dict], out: Path,
-               label: Callable[[int], str], plural: str) -> None:
-    """Trains each arm (`values`: depths, widths) not yet in `results["arms"]`, saving
-    `out`/results.json after each; Ctrl-C ends in one line naming the arms saved."""
+def train_arms(results: dict, items: Sequence[tuple[str, Any]], train_one: Callable[[Any], dict], out: Path,
+               label: Callable[[Any], str], plural: str) -> None:
+    """Trains each arm (`items`: `(key, value)`, e.g. `("2", 2)` for a depth) whose key is
+    not yet in `results["arms"]`, saving `out`/results.json after each; Ctrl-C ends in
+    one line naming the arms saved."""
     from experiments import common
 
-    for value in values:
-        if str(value) in results["arms"]:
+    for key, value in items:
+        if key in results["arms"]:
             print(f"{label(value)}: already in {out}/results.json", flush=True)
             continue
         try:
-            results["arms"][str(value)] = train_one(value)
+            results["arms"][key] = train_one(value)
         except KeyboardInterrupt:
-            done = sorted(results["arms"], key=int)
+            done = list(results["arms"])
             saved = f"{plural} {done} are saved in {out}/results.json" if done else f"no {plural[:-1]} had finished"
             raise common.Interrupted(saved) from None
         common.write_json(out / "results.json", results)
@@ -426,37 +647,71 @@ def finish(results: dict, args, name: str, artifact: Callable[[dict], dict],
     print("\n" + text)
 
 
-def parse(argv, module: str, doc: str, name: str, presets: dict, sweep: str, sweep_help: str, seeds_per: str):
-    """An anchor's command line: `(args, config)`. `sweep` is the config field the anchor
-    varies (`layers`, `widths`), given as `--<sweep>`; the standard preset also writes
-    its artifact to docs/results/data/anchor_<name>.json (the figure beside the page).
-    A bad value ends in one argparse `error:` line (exit 2)."""
+def parse(argv, module: str, doc: str, name: str, registration: Path, from_preset: Callable[[dict, dict], Any],
+          sweep: str, sweep_help: str, seeds_per: str):
+    """An anchor's command line: `(args, config)`. The presets are those of the
+    registration file (`registration`, `read_registration`); `from_preset(preset, rule)`
+    builds the anchor's config from one. `sweep` is the config field the anchor varies
+    (`layers`, `widths`), given as `--<sweep>`; `--<sweep>`, `--seeds` and `--steps`
+    override the preset, which makes the run not the registered one (recorded). The
+    registered preset also writes its artifact to docs/results/data/anchor_<name>.json
+    (the figure beside the page).
+
+    `args.preregistration` is what the data record: `{file, commit, preset,
+    registered_preset, registered, overrides}`. A bad value, an unreadable registration
+    file, or one with uncommitted changes (or outside a git checkout: no commit to
+    record) ends in one argparse `error:` line (exit 2); `--replot` reads nothing of it."""
     import dataclasses
 
     from experiments import common
 
     p = common.parser(module, doc.split("\n\n")[0].replace("\n", " "))
-    p.epilog = "presets:\n" + "\n".join(f"  {n:<9} {' '.join(f.__doc__.split())}" for n, f in presets.items())
-    p.add_argument("--preset", choices=sorted(presets), default="standard", help="configuration (default standard)")
-    p.add_argument(f"--{sweep}", type=common.positive_int, nargs="+", help=sweep_help)
-    p.add_argument("--seeds", type=common.positive_int, help=f"seeds per {seeds_per}")
-    p.add_argument("--steps", type=common.positive_int, help="optimizer steps (a multiple of the evaluation interval)")
+    try:
+        reg = read_registration(registration)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        p.error(f"cannot read the registration {registration}: {e}")
+    presets, registered = reg["presets"], reg["registered_preset"]
+    p.epilog = (f"presets (from {registration.name}; the registered run is {registered}):\n" + "\n".join(
+        textwrap.fill(str(t.get("description", "")), 88, initial_indent=f"  {n:<9} ", subsequent_indent=" " * 12)
+        for n, t in presets.items()))
+    p.add_argument("--preset", choices=sorted(presets), default=registered,
+                   help=f"configuration (default {registered}, the registered run)")
+    p.add_argument(f"--{sweep}", type=common.positive_int, nargs="+", help=sweep_help + " (overrides the preset)")
+    p.add_argument("--seeds", type=common.positive_int, help=f"seeds per {seeds_per} (overrides the preset)")
+    p.add_argument("--steps", type=common.positive_int,
+                   help="optimizer steps (a multiple of the evaluation interval; overrides the preset)")
     p.add_argument("--out", type=Path, help=f"output folder (default results/anchors/{name}[-<preset>])")
-    p.add_argument("--artifact", type=Path, help="also write the artifact here (default for the standard preset: "
+    p.add_argument("--artifact", type=Path, help="also write the artifact here (default for the registered preset: "
                    f"docs/results/data/anchor_{name}.json, the figure beside the page)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--replot", action="store_true", help="redo the artifact, summary and figure from --out's results.json")
     args = p.parse_args(argv)
+    overrides = {key: value for key, value in ((sweep, getattr(args, sweep)), ("seeds", args.seeds),
+                                               ("steps", args.steps)) if value is not None}
+    args.preregistration = None
+    if not args.replot:
+        state = common.file_state(registration)
+        if state["dirty"] is None:
+            p.error(f"{registration} is not in a git checkout: no commit can register the run")
+        if state["dirty"] or state["commit"] is None:
+            p.error(f"{state['file']} has uncommitted changes: commit the registration before the run "
+                    "(its data record the commit)")
+        args.preregistration = {"file": state["file"], "commit": state["commit"], "preset": args.preset,
+                                "registered_preset": registered,
+                                "registered": args.preset == registered and not overrides, "overrides": overrides}
 
     def build():
-        cfg = presets[args.preset]()
+        try:
+            cfg = from_preset(presets[args.preset], reg["rule"])
+        except KeyError as e:
+            raise ValueError(f"preset {args.preset} of {registration.name} lacks {e}") from None
         train = cfg.train if args.steps is None else dataclasses.replace(cfg.train, num_steps=args.steps)
         swept = getattr(args, sweep)
         return dataclasses.replace(cfg, train=train, num_seeds=args.seeds or cfg.num_seeds,
                                    **{sweep: tuple(swept) if swept else getattr(cfg, sweep)})
 
     cfg = common.build_or_exit(p, build)
-    args.out = args.out or Path("results") / "anchors" / (name if args.preset == "standard" else f"{name}-{args.preset}")
-    if args.artifact is None and args.preset == "standard":
+    args.out = args.out or Path("results") / "anchors" / (name if args.preset == registered else f"{name}-{args.preset}")
+    if args.artifact is None and args.preset == registered and not overrides:
         args.artifact = common.CHECKOUT / "docs" / "results" / "data" / f"anchor_{name}.json"
     return args, cfg

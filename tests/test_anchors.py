@@ -1,14 +1,18 @@
 """The published anchors (`experiments.anchor_*`) and what they added to the harness:
-attention-only decoders (`ModelConfig(d_ff=0)`), in-context Markov chains
-(`MarkovTaskConfig` and its strategies), single-token MQAR keys
-(`RecallTaskConfig(key_tokens=1)`) and the repeat task's induction probe. Each anchor
-runs once at its tiny size; the pieces are checked against NumPy float64 references and
-brute-force counts."""
+attention-only decoders (`ModelConfig(d_ff=0)`), the gated-convolution mixer
+(`ModelConfig(mixer="gated_conv")`), evaluations from step 0 (`train_seeds(eval_steps=)`),
+in-context Markov chains (`MarkovTaskConfig` and its strategies), single-token MQAR keys
+(`RecallTaskConfig(key_tokens=1)`) and the repeat task's induction probe; and their
+registration (experiments/preregistration/*.toml: read, recorded with its commit, a
+dirty file refused). Each anchor runs once at its tiny size; the pieces are checked
+against NumPy float64 references and brute-force counts."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import f32_tolerance
 
-from experiments import anchor_induction, anchor_markov, anchor_mqar, common_anchors, report
+from experiments import anchor_induction, anchor_markov, anchor_mqar, common, common_anchors, report
 from jax_mha.lab import head_types, stats
 from jax_mha.lab.data import (
     FIRST_SYMBOL,
@@ -29,8 +33,8 @@ from jax_mha.lab.data import (
     task_from_dict,
     task_to_dict,
 )
-from jax_mha.lab.models import Decoder, ModelConfig, generate
-from jax_mha.lab.train import scored_loss
+from jax_mha.lab.models import Decoder, GatedConvMixer, ModelConfig, causal_conv, generate, model_to_dict
+from jax_mha.lab.train import TrainConfig, scored_loss, train_seeds
 
 # ----------------------------------------------------------------- attention-only decoder
 
@@ -91,6 +95,74 @@ def test_attention_only_decoder_decodes_through_its_cache_and_refuses_a_negative
     np.testing.assert_array_equal(out[:, 4:], jnp.argmax(full[:, 3:-1], -1))  # each token the full pass's argmax
     with pytest.raises(ValueError, match="d_ff must be >= 0, got -1"):
         ModelConfig(d_ff=-1)
+
+
+# ----------------------------------------------------------------- the gated-convolution mixer
+
+
+def test_causal_conv_equals_a_loop_for_short_and_long_filters():
+    x = np.random.default_rng(0).normal(size=(2, 13, 3)).astype(np.float32)
+    for taps in (1, 3, 13, 20):  # shifted copies (<= 8 taps), the Toeplitz product, a filter longer than T
+        kernel = np.random.default_rng(taps).normal(size=(taps, 3)).astype(np.float32)
+        want = np.zeros_like(x, np.float64)
+        for t in range(13):
+            for j in range(min(taps, t + 1)):
+                want[:, t] += kernel[j] * x[:, t - j]
+        np.testing.assert_allclose(causal_conv(jnp.asarray(x), jnp.asarray(kernel)), want, atol=1e-5, err_msg=taps)
+
+
+def test_gated_conv_mixer_shapes_and_causality():
+    mixer = GatedConvMixer(max_len=16, kernel_size=3)
+    x = jax.random.normal(jax.random.key(0), (2, 5, 11, 6))  # extra batch axes (B…, T, d)
+    params = mixer.init(jax.random.key(1), x)["params"]
+    shapes = jax.tree.map(jnp.shape, params)
+    assert shapes == {"in_proj": {"kernel": (6, 18), "bias": (18,)}, "short_filter": (3, 18), "long_filter": (16, 6),
+                      "out_proj": {"kernel": (6, 6), "bias": (6,)}}
+    y = mixer.apply({"params": params}, x)
+    assert y.shape == x.shape and bool(jnp.all(jnp.isfinite(y)))
+    for t in (0, 4, 9):  # the output up to t is the same, exactly, whatever comes after t
+        later = x.at[..., t + 1:, :].set(jax.random.normal(jax.random.key(t + 2), x[..., t + 1:, :].shape))
+        z = mixer.apply({"params": params}, later)
+        np.testing.assert_array_equal(z[..., : t + 1, :], y[..., : t + 1, :])
+        assert not np.allclose(z[..., t + 1:, :], y[..., t + 1:, :])  # and what follows does change
+    with pytest.raises(ValueError, match="exceeds the long filter's max_len=16"):
+        mixer.apply({"params": params}, jnp.zeros((1, 17, 6)))
+
+
+def test_gated_conv_decoder_is_causal_and_refuses_what_needs_heads():
+    cfg = ModelConfig(vocab_size=9, max_len=12, d_model=8, num_heads=1, num_layers=2, d_ff=0, mixer="gated_conv",
+                      conv_kernel=4)
+    model = Decoder(cfg)
+    tokens = jax.random.randint(jax.random.key(0), (3, 12), 0, 9)
+    params = model.init(jax.random.key(1), tokens)["params"]
+    assert sorted(params["block_0"]) == ["mixer", "norm1"] and params["block_1"]["mixer"]["short_filter"].shape == (4, 24)
+    logits = model.apply({"params": params}, tokens)
+    assert logits.shape == (3, 12, 9)
+    changed = tokens.at[:, 7:].set((tokens[:, 7:] + 1) % 9)
+    np.testing.assert_array_equal(model.apply({"params": params}, changed)[:, :7], logits[:, :7])
+    for kwargs in ({"return_weights": True}, {"head_mask": jnp.ones((2, 1))}):
+        with pytest.raises(ValueError, match="has no heads"):
+            model.apply({"params": params}, tokens, **kwargs)
+    for bad, match in (({"mixer": "ssm"}, "mixer must be one of"), ({"mixer": "gated_conv", "d_ff": 16}, "set d_ff=0"),
+                       ({"conv_kernel": 0}, "conv_kernel must be >= 1")):
+        with pytest.raises(ValueError, match=match):
+            ModelConfig(**bad)
+    # Attention models' dicts (and so the fingerprints of runs saved before the mixer existed) are unchanged.
+    assert "mixer" not in model_to_dict(ModelConfig()) and "conv_kernel" not in model_to_dict(ModelConfig())
+    assert ModelConfig(**model_to_dict(cfg)) == cfg and ModelConfig(**model_to_dict(ModelConfig())) == ModelConfig()
+
+
+def test_gated_conv_trains_and_evaluations_start_at_step_0():
+    task = RecallTaskConfig(num_pairs=2, num_queries=2, num_key_symbols=4, num_values=4, key_tokens=1)
+    cfg = ModelConfig(vocab_size=task.vocab_size, max_len=task.seq_len, d_model=8, num_heads=1, num_layers=1, d_ff=0,
+                      mixer="gated_conv")
+    train = TrainConfig(batch_size=4, num_steps=6, steps_per_call=2, eval_every=6, eval_size=8, early_stop=False)
+    seen = []
+    result = train_seeds(cfg, task, train, [0, 1], eval_steps=(0, 2), callback=lambda r: seen.append(r["step"]))
+    assert result.evals["step"].tolist() == [0, 2, 6] and result.evals["recall_accuracy"].shape == (2, 3)
+    assert seen == [0, 2, 4, 6]  # step 0's evaluation reported before the first chunk
+    with pytest.raises(ValueError, match=r"eval_steps \[3\] are not multiples of steps_per_call=2"):
+        train_seeds(cfg, task, train, [0], eval_steps=(3,))
 
 
 # ----------------------------------------------------------------- in-context Markov chains
@@ -185,6 +257,11 @@ def test_repeat_probe_and_its_prefix_matching_at_evaluation():
 # ----------------------------------------------------------------- the anchors at their tiny size
 
 
+def _git_commit_of(path) -> str:
+    return subprocess.run(["git", "-C", str(path.parent), "log", "-1", "--format=%H", "--", path.name],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
 def _run(module, tmp_path, *extra):
     out = tmp_path / module.NAME
     module.main(["--preset", "tiny", "--out", str(out), "--no-progress", *extra])
@@ -193,6 +270,13 @@ def _run(module, tmp_path, *extra):
     assert (out / f"anchor_{module.NAME}.png").stat().st_size > 0 and (out / "summary.md").exists()
     for block in common_anchors.RENDERERS[data["kind"]]:
         assert report.render(data, block).strip()  # the page's blocks render from the artifact
+    reg = data["preregistration"]  # the registration file read, and the commit that last touched it
+    assert reg["file"] == f"experiments/preregistration/anchor_{module.NAME}.toml"
+    assert reg["commit"] == _git_commit_of(module.REGISTRATION) and len(reg["commit"]) == 40
+    assert reg["preset"] == "tiny" and reg["registered"] is False and results["config"]["preregistration"] == reg
+    verdict = report.render(data, "verdict")
+    assert "Not the registered run: preset tiny" in verdict
+    assert "**No verdict**" in verdict or verdict.startswith("Not decided")
     return out, results, data
 
 
@@ -200,6 +284,7 @@ def test_induction_anchor_tiny(tmp_path):
     _, results, data = _run(anchor_induction, tmp_path, "--layers", "2")
     arm = data["arms"]["2"]
     assert arm["seeds"] == [0, 1] and len(arm["max_prefix_matching"]) == 2
+    assert data["preregistration"]["overrides"] == {"layers": [2]}
     r = results["probe_repeat"]
     assert data["chance"] == pytest.approx(head_types.prefix_matching_chance(r))
     run = results["arms"]["2"]["runs"][0]
@@ -208,29 +293,147 @@ def test_induction_anchor_tiny(tmp_path):
     assert run["max_prefix_matching"] == pytest.approx(pm[-1].max())
 
 
-def test_mqar_anchor_tiny_resumes_without_retraining(tmp_path, monkeypatch):
-    out, results, data = _run(anchor_mqar, tmp_path, "--widths", "8")
-    assert set(data["widths"]) == {"8"} and data["reference"]["chance"] == pytest.approx(1 / 4)
-    accs = data["widths"]["8"]["final_accuracy"]
-    assert accs == [run["recall_accuracy"][-1] for run in results["arms"]["8"]["runs"]]
+def test_mqar_anchor_tiny_trains_both_arms_at_every_length_and_resumes(tmp_path, monkeypatch):
+    out, results, data = _run(anchor_mqar, tmp_path)
+    lengths = [9, 13]  # 2 and 3 pairs: T = 4N + 1
+    assert [x["seq_len"] for x in data["lengths"]] == lengths and data["widths"] == [8]
+    assert {arm: sorted(data["cells"][arm]) for arm in data["cells"]} == {a: ["13", "9"] for a in ("attention", "gated_conv")}
+    for t in lengths:
+        assert data["reference"][str(t)]["chance"] == pytest.approx(1 / 4)
+    accs = data["cells"]["gated_conv"]["13"]["8"]["final_accuracy"]
+    assert accs == [run["recall_accuracy"][-1] for run in results["arms"]["gated_conv T=13 d=8"]["runs"]]
+    assert common_anchors.mqar_rule(data) is not None  # a whole grid: the rule decides
+    assert "not registered" not in report.render(data, "verdict").lower()
 
     def no_training(*args, **kwargs):
-        raise AssertionError("a finished width was trained again")
+        raise AssertionError("a finished cell was trained again")
 
     monkeypatch.setattr(common_anchors, "train_seeds", no_training)
-    again = anchor_mqar.main(["--preset", "tiny", "--out", str(out), "--no-progress", "--widths", "8"])
-    assert again["arms"]["8"]["runs"][0]["final_accuracy"] == accs[0]
+    again = anchor_mqar.main(["--preset", "tiny", "--out", str(out), "--no-progress"])
+    assert again["arms"]["gated_conv T=13 d=8"]["runs"][0]["final_accuracy"] == accs[0]
 
 
 def test_markov_anchor_tiny_lines_are_the_trainers_held_out_rows(tmp_path):
     _, results, data = _run(anchor_markov, tmp_path, "--layers", "2")
     arm = results["arms"]["2"]
+    assert arm["eval_step"] == [0, 2, 4, 10] and data["train"]["eval_steps"] == [0, 2, 4, 10]  # from step 0
     for name in ("uniform", "unigram", "bigram"):  # computed apart, from the trainer's eval key: the same rows
         assert arm["strategy_losses"][name] == pytest.approx(data["reference"][name], abs=1e-5)
     assert data["reference"]["oracle"] < data["reference"]["bigram"] < data["reference"]["uniform"]
     for stages in data["arms"]["2"]["stages"]:
+        assert stages[0] == ["uniform", 0]  # the initial parameters predict nearly uniformly
         assert [s for s, _ in stages][0] in anchor_markov.STRATEGIES
         assert [step for _, step in stages] == sorted(step for _, step in stages)
+    assert "seeds closest to uniform at the first evaluation (step 0)" in report.render(data, "table")
+
+
+# ----------------------------------------------------------------- registration
+
+
+def _registration(name: str) -> dict:
+    return common_anchors.read_registration(common_anchors.registration_path(name))
+
+
+def test_registrations_state_rule_config_and_source():
+    for name in ("induction", "mqar", "markov"):
+        reg = _registration(name)
+        assert reg["registered_preset"] == "standard" and {"cite", "where", "result"} <= set(reg["published"])
+        assert reg["rule"]["text"].strip() and "tiny" in reg["presets"]
+        module = {"induction": anchor_induction, "mqar": anchor_mqar, "markov": anchor_markov}[name]
+        for preset in reg["presets"].values():  # every preset builds (the configs check themselves)
+            module.from_preset(preset, reg["rule"])
+    reg = _registration("mqar")
+    cfg = anchor_mqar.from_preset(reg["presets"]["standard"], reg["rule"])
+    assert cfg.arms == ("attention", "gated_conv") and len(cfg.widths) >= 3 and len(cfg.lengths) >= 2
+    assert set(cfg.cells()) == {(a, n, w) for a in cfg.arms for n in cfg.lengths for w in cfg.widths}
+    assert {cfg.model_for(a, cfg.lengths[0], cfg.widths[0]).mixer for a in cfg.arms} == {"attention", "gated_conv"}
+    lengths = [cfg.task_for(x).seq_len for x in cfg.lengths]
+    assert lengths == sorted(lengths) and lengths[0] > 33 and cfg.task.vocab_size > 68  # not the old settings
+    assert all(cfg.model_for(a, x, w).max_len == cfg.task_for(x).seq_len for a, x, w in cfg.cells())
+    assert (cfg.solved_accuracy, cfg.min_drop) == (reg["rule"]["solved_accuracy"], reg["rule"]["min_drop"])
+    assert "quick" in reg["presets"] and "not the registered run" in reg["presets"]["quick"]["description"]
+    markov = anchor_markov.from_preset(_registration("markov")["presets"]["standard"], {})
+    early = [s for s in markov.eval_steps if s <= 20]
+    assert early[0] == 0 and max(np.diff(early)) <= 5 and markov.eval_steps[-1] == markov.train.num_steps
+
+
+def _git(repo, *args):
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=test", "-c", "user.email=test@example.com", *args],
+                   check=True, capture_output=True)
+
+
+def test_registration_is_recorded_with_its_commit_and_a_dirty_one_is_refused(tmp_path, monkeypatch, capsys):
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    reg = repo / "prereg" / "anchor_induction.toml"
+    reg.parent.mkdir()
+    monkeypatch.setattr(anchor_induction, "REGISTRATION", reg)
+    argv = ["--preset", "tiny", "--layers", "1", "--steps", "10", "--out", str(tmp_path / "out"), "--no-progress"]
+
+    def refused(match: str):
+        with pytest.raises(SystemExit) as e:
+            anchor_induction.main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert match in err[-1] and err[-1].startswith("python -m experiments.anchor_induction: error:"), err
+
+    shutil.copy(common_anchors.registration_path("induction"), reg)
+    refused("prereg/anchor_induction.toml has uncommitted changes")  # untracked: never committed
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "register")
+    first = _git_commit_of(reg)
+    _git(repo, "commit", "-q", "--allow-empty", "-m", "a later commit that does not touch the file")
+    results = anchor_induction.main(argv)
+    assert results["config"]["preregistration"] == {
+        "file": "prereg/anchor_induction.toml", "commit": first, "preset": "tiny", "registered_preset": "standard",
+        "registered": False, "overrides": {"layers": [1], "steps": 10}}
+    data = json.loads((tmp_path / "out" / "artifact.json").read_text())
+    assert data["preregistration"]["commit"] == first != common.git_state(repo)["commit"]
+    reg.write_text(reg.read_text().replace("num_steps = 10", "num_steps = 20"))  # changed after the commit
+    refused("prereg/anchor_induction.toml has uncommitted changes")
+    _git(repo, "add", ".")
+    refused("has uncommitted changes")  # staged is not committed either
+    outside = tmp_path / "elsewhere" / "anchor_induction.toml"
+    outside.parent.mkdir()
+    shutil.copy(common_anchors.registration_path("induction"), outside)
+    monkeypatch.setattr(anchor_induction, "REGISTRATION", outside)
+    refused("is not in a git checkout")
+
+
+def test_pages_data_from_before_registration_say_not_registered():
+    for name in ("induction", "mqar", "markov"):
+        data = json.loads((report.DATA / f"anchor_{name}.json").read_text())
+        assert "preregistration" not in data
+        assert "Not registered: these data record no registration" in report.render(data, "verdict")
+
+
+def _mqar_data(conv: dict, attention_ok: bool = True) -> dict:
+    """Artifact-shaped data with two lengths and two widths; conv: {(T, d): [accuracies]}."""
+    cells = {"attention": {str(t): {str(d): {"final_accuracy": [1.0, 0.95 if attention_ok else 0.5]}
+                                    for d in (64, 128)} for t in (65, 129)},
+             "gated_conv": {str(t): {} for t in (65, 129)}}
+    for (t, d), accs in conv.items():
+        cells["gated_conv"][str(t)][str(d)] = {"final_accuracy": accs}
+    return {"solved_accuracy": 0.9, "min_drop": 0.1, "widths": [64, 128], "cells": cells,
+            "reference": {"65": {"value_mode": 0.27}, "129": {"value_mode": 0.14}},
+            "lengths": [{"seq_len": 65, "num_pairs": 4}, {"seq_len": 129, "num_pairs": 8}]}
+
+
+def test_mqar_rule_as_registered():
+    falls = {(65, 64): [0.6, 0.7], (129, 64): [0.3, 0.3], (65, 128): [1.0, 0.99], (129, 128): [0.95, 0.97]}
+    assert common_anchors.mqar_rule(_mqar_data(falls))["ok"]  # d=128 solves both: exempt; d=64 falls by 0.35
+    assert not common_anchors.mqar_rule(_mqar_data(falls, attention_ok=False))["ok"]  # (A) fails
+    small = {**falls, (129, 64): [0.6, 0.65]}  # falls at every width, by 0.025 only: no fall >= 0.1
+    assert common_anchors.mqar_rule(_mqar_data(small))["b"] is False
+    floor = {**falls, (65, 64): [0.28, 0.3], (129, 64): [0.14, 0.15]}  # falls by 0.145, but with the no-lookup
+    assert common_anchors.mqar_rule(_mqar_data(floor))["big_drop"] is False  # line (0.27 -> 0.14): no lookup lost
+    rises = {**falls, (65, 128): [0.5, 0.5], (129, 128): [0.6, 0.6]}  # higher at the longer length at d=128
+    rule = common_anchors.mqar_rule(_mqar_data(rises))
+    assert not rule["b"] and [d["passes"] for d in rule["drops"]] == [True, False]
+    assert common_anchors.mqar_rule(_mqar_data({(65, 64): [0.5]})) is None  # cells missing: not decided
 
 
 def test_common_anchors_count_and_order():
