@@ -263,7 +263,7 @@ def _without_keys(q, k, v, vis, call, sinks, bad_heads, dtype):
     if sinks is None:
         return out, weights, lse
     rows = jnp.zeros(lse.shape, bool)
-    lse, _ = _softmax.with_sinks(out[..., :0], lse, sinks)  # (B…, H, N): the sink's logit
+    lse = _softmax.add_sink(lse, sinks)  # (B…, H, N): the sink's logit
     poisoned = _softmax.poisoned_rows(rows, rows, rows, bad_heads)
     out, weights = _softmax.finish(out, weights, rows, poisoned, v, jnp.zeros(k.shape[:-1], bool), vis.q_lengths,
                                    "zero")

@@ -14,7 +14,7 @@ The registry of every path, in `"auto"`'s order, is `jax_mha._dispatch.REGISTRY`
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 
@@ -25,41 +25,50 @@ def _traced(x) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
-# Each part: how a refusal names it, and whether a call has it. Their order is the
-# order in which a refusal looks for the first part a path does not take.
+class Part(NamedTuple):
+    """One optional part of a call: `name` in a refusal's "X needs ..." clause,
+    `describe(vis)` the phrase naming it in "cannot express ...", `present(vis, call)`."""
+
+    name: str
+    describe: Callable
+    present: Callable
+
+
+def _part(name: str, phrase: str, present: Callable) -> Part:
+    return Part(name, lambda vis: phrase, present)
+
+
+# Their order is the order in which a refusal looks for the first part a path does not take.
 PARTS = {
-    "return_weights": ("return_weights=True (the (B…, H, N, S) weights)", lambda vis, call: call.return_weights),
-    "dropout": ("dropout on the weights", lambda vis, call: call.dropout),
-    "bias": ("an additive bias", lambda vis, call: vis.bias is not None),
-    "mask": ("a dense mask", lambda vis, call: vis.mask is not None),
-    "score_mod": ("score_mod", lambda vis, call: vis.score_mod is not None),
-    "mask_mod": ("mask_mod", lambda vis, call: vis.mask_mod is not None),
-    "logits_soft_cap": ("logits_soft_cap={vis.logits_soft_cap!r}", lambda vis, call: vis.logits_soft_cap is not None),
-    "sinks": ("sinks (attention sinks)", lambda vis, call: vis.sinks is not None),
-    "window": ("a local window {tuple(vis.window)}", lambda vis, call: vis.window is not None),
-    "kv_lengths": ("kv_lengths", lambda vis, call: vis.kv_lengths is not None),
-    "q_lengths": ("q_lengths", lambda vis, call: vis.q_lengths is not None),
-    "segment_ids": ("segment ids", lambda vis, call: vis.segmented),
-    "query_offset": ("a query offset (decoding from a cache index)",
-                     lambda vis, call: vis.q_offset is not None or vis.q_start is not None),
-    "traced_offset": ("a traced query offset (decoding under jit: the pattern is not static)",
-                      lambda vis, call: vis.q_offset is not None and _traced(vis.q_offset)),
-    "return_residual": ("return_residual=True (the log-sum-exp)", lambda vis, call: call.return_residual),
+    "return_weights": _part("return_weights=True", "return_weights=True (the (B…, H, N, S) weights)",
+                            lambda vis, call: call.return_weights),
+    "dropout": _part("dropout", "dropout on the weights", lambda vis, call: call.dropout),
+    "bias": _part("an additive bias", "an additive bias", lambda vis, call: vis.bias is not None),
+    "mask": _part("a dense mask", "a dense mask", lambda vis, call: vis.mask is not None),
+    "score_mod": _part("score_mod", "score_mod", lambda vis, call: vis.score_mod is not None),
+    "mask_mod": _part("mask_mod", "mask_mod", lambda vis, call: vis.mask_mod is not None),
+    "logits_soft_cap": Part("logits_soft_cap", lambda vis: f"logits_soft_cap={vis.logits_soft_cap!r}",
+                            lambda vis, call: vis.logits_soft_cap is not None),
+    "sinks": _part("sinks", "sinks (attention sinks)", lambda vis, call: vis.sinks is not None),
+    "window": Part("a local window", lambda vis: f"a local window {tuple(vis.window)}",
+                   lambda vis, call: vis.window is not None),
+    "kv_lengths": _part("kv_lengths", "kv_lengths", lambda vis, call: vis.kv_lengths is not None),
+    "q_lengths": _part("q_lengths", "q_lengths", lambda vis, call: vis.q_lengths is not None),
+    "segment_ids": _part("segment ids", "segment ids", lambda vis, call: vis.segmented),
+    "query_offset": _part("a query offset", "a query offset (decoding from a cache index)",
+                          lambda vis, call: vis.q_offset is not None or vis.q_start is not None),
+    "traced_offset": _part("a traced query offset",
+                           "a traced query offset (decoding under jit: the pattern is not static)",
+                           lambda vis, call: vis.q_offset is not None and _traced(vis.q_offset)),
+    "return_residual": _part("return_residual=True", "return_residual=True (the log-sum-exp)",
+                             lambda vis, call: call.return_residual),
 }
 EVERY_PART = frozenset(PARTS)
 
 
-def phrase(part: str, vis: _masking.Visibility, call: _masking.Call) -> str:
-    """How a refusal names `part` of this call (with its value, where it has one)."""
-    del call
-    template = PARTS[part][0]
-    return template.replace("{vis.logits_soft_cap!r}", repr(vis.logits_soft_cap)).replace(
-        "{tuple(vis.window)}", str(tuple(vis.window)) if vis.window is not None else "")
-
-
 def parts(vis: _masking.Visibility, call: _masking.Call) -> tuple[str, ...]:
     """The parts this call has, in `PARTS`' order."""
-    return tuple(name for name, (_, present) in PARTS.items() if present(vis, call))
+    return tuple(name for name, part in PARTS.items() if part.present(vis, call))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -137,7 +146,7 @@ class Path:
             return None, f"{self.label} {head}, this call runs on {call.platform!r}; {fallback()}"
         for part in parts(vis, call):
             if part not in self.takes:
-                why = f"{self.label} cannot express {phrase(part, vis, call)}; {takers(part, call.platform, self.name)}"
+                why = f"{self.label} cannot express {PARTS[part].describe(vis)}; {takers(part, call.platform, self.name)}"
                 return part, why
         return None, None if self.limits is None else self.limits(vis, call)
 
@@ -167,8 +176,7 @@ def takers(part: str, platform: str, refusing: str) -> str:
     than `refusing` that take `part` and run on `platform`."""
     names = [p.name for p in REGISTRY.values()
              if p.name != refusing and part in p.takes and (not p.platforms or platform in p.platforms)]
-    short = PARTS[part][0].split(" (")[0].split(" {")[0].split("={")[0]
-    return f"{short} needs implementation=" + _either(names) if names else fallback()
+    return f"{PARTS[part].name} needs implementation=" + _either(names) if names else fallback()
 
 
 def fallback() -> str:

@@ -3,8 +3,8 @@
 - `online_step`: one block of scores folded into a row's running maximum and
   normaliser (the online softmax of FlashAttention), called by the blockwise engine
   (`_flash`), ring attention (`ring`) and the statistics (`_statistics`).
-- `with_sinks`: attention over the real keys merged with each head's sink, a key of
-  logit `sinks[h]` and value zero (`merge_attentions` with a zero part).
+- `with_sinks` / `add_sink`: attention over the real keys merged with each head's sink,
+  a key of logit `sinks[h]` and value zero (`merge_attentions` with a zero part).
 - `sanitize` before any path and `finish` / `finish_lse` after it: non-finite inputs
   replaced and the rows that see them marked, then those rows NaN, the empty-row
   policy, zeros past `q_lengths`. A non-finite sink is a non-finite input of every row
@@ -44,9 +44,16 @@ def with_sinks(out, lse, sinks):
     no visible key (lse -inf) becomes the sink alone: out 0, lse `sinks[h]`."""
     if sinks is None:
         return out, lse
-    sink = jnp.broadcast_to(jax.lax.broadcast_to_rank(sinks.astype(lse.dtype)[:, None], lse.ndim), lse.shape)
-    merged = jnp.logaddexp(lse, sink)
+    merged = add_sink(lse, sinks)
     return out * jnp.exp(lse - merged)[..., None].astype(out.dtype), merged
+
+
+def add_sink(lse, sinks):
+    """Each row's log-sum-exp `(B…, H, N)` with its head's sink logit (`sinks (H,)`, or
+    None) added to the denominator: `logaddexp(lse, sinks[h])`."""
+    if sinks is None:
+        return lse
+    return jnp.logaddexp(lse, jax.lax.broadcast_to_rank(sinks.astype(lse.dtype)[:, None], lse.ndim))
 
 
 def sanitize(q, k, v):

@@ -175,7 +175,7 @@ def _row_lse(plan: _Plan, vis, m, l, sinks, i0):
     with neither a visible key nor a sink; `empty` marks rows with no visible key."""
     empty = m == -jnp.inf
     lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
-    lse = _softmax.with_sinks(jnp.zeros(lse.shape + (0,), lse.dtype), lse, sinks)[1]
+    lse = _softmax.add_sink(lse, sinks)
     if vis.q_lengths is not None:
         rows = lax.broadcast_to_rank(i0 + jnp.arange(plan.q_block, dtype=jnp.int32), 3)  # (1, 1, bq)
         lse = jnp.where(rows < vis.q_lengths[..., 0], lse, -jnp.inf)
