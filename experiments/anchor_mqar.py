@@ -197,6 +197,9 @@ def plot(results: dict, path: Path) -> None:
                      "queries)")
     axes[0].set(xscale="log", xlabel="d_model", ylabel="final held-out recall accuracy", ylim=(0, 1.02),
                 title="Final accuracy against width (dots: seeds)")
+    trained = sorted({a["d_model"] for a in arms})
+    axes[0].set_xticks(trained, [str(w) for w in trained])
+    axes[0].minorticks_off()
     for ax in axes:
         ax.axhline(cfg["solved_accuracy"], color="black", lw=0.8)
         ax.grid(alpha=0.3)
