@@ -141,8 +141,9 @@ def _mod_extent(vis: Visibility, q_block: int, s_pad: int) -> tuple[int, int]:
 def _mod_classes(vis: Visibility, q_block: int, k_block: int) -> tuple[jax.Array, jax.Array]:
     """`(visited, full)`, bool `(Bs, Hs, nq, nk)`, by `mask_mod`: evaluated on one
     query block's `(Bs, Hs, q_block, S)` tile at a time (`lax.map`), so that the
-    schedule never holds an N × S array, and reduced to any/all per key block over
-    the real rows and keys."""
+    schedule never holds an N × S array, and reduced per key block to any over the
+    real rows and keys and all over the real rows (`_range_classes` makes a block
+    holding padding keys partial)."""
     nq, nk = num_blocks(vis.n, q_block), num_blocks(vis.s, k_block)
     bs, hs = _mod_extent(vis, q_block, nk * k_block)
     b = jnp.arange(bs, dtype=jnp.int32).reshape(bs, 1, 1, 1)
@@ -156,7 +157,7 @@ def _mod_classes(vis: Visibility, q_block: int, k_block: int) -> tuple[jax.Array
         ok = jnp.broadcast_to(ok, (bs, hs, q_block, nk * k_block)).reshape(bs, hs, q_block, nk, k_block)
         real_row = (rows < vis.n).reshape(1, 1, q_block, 1, 1)
         visited = jnp.any(ok & real_row & real_col, axis=(2, 4))
-        full = jnp.all((ok & real_col) | ~real_row, axis=(2, 4))
+        full = jnp.all(ok | ~real_row, axis=(2, 4))
         return visited, full  # (Bs, Hs, nk) each
 
     visited, full = lax.map(row_block, jnp.arange(nq, dtype=jnp.int32))  # (nq, Bs, Hs, nk)

@@ -33,7 +33,7 @@ def np_pattern(p) -> np.ndarray:
     ok = np.ones((batch, heads, n, s), bool)
     if p.get("causal"):
         ok &= j <= at
-    left, right = p.get("window", (None, None))
+    left, right = p.get("window") or (None, None)
     if left is not None:
         ok &= j >= at - left
     if right is not None:
@@ -79,8 +79,8 @@ def decoded(count, index, full, size: int) -> tuple[np.ndarray, np.ndarray]:
     return visited, fully
 
 
-def schedule_of(p) -> BlockSchedule:
-    """`build_schedule` under jit, every array of the case traced."""
+def schedule_fn(p):
+    """`build_schedule` for case `p` under jit, a function of its arrays (`_ARRAYS`), all traced."""
     rank = len(p["batch"])
 
     def run(a):
@@ -94,7 +94,35 @@ def schedule_of(p) -> BlockSchedule:
             num_heads=p["heads"])
         return build_schedule(vis, p["qb"], p["kb"])
 
-    return jax.jit(run)({k: jnp.asarray(p[k]) for k in _ARRAYS if k in p})
+    return jax.jit(run)
+
+
+def arrays(p) -> dict:
+    """The case's arrays, as `schedule_fn`'s function takes them."""
+    return {k: jnp.asarray(p[k]) for k in _ARRAYS if k in p}
+
+
+def check(sched: BlockSchedule, p, extent: tuple, exact: bool) -> None:
+    """Asserts (1) full blocks are exactly those whose real pairs are all visible, (2)
+    every block holding a visible pair is visited (exactly those when `exact`), (3) the
+    lists are ascending and prefetch-padded, the transpose is the same classes, (4)
+    the `(Bs, Hs)` axes are `extent`."""
+    n, s, qb, kb = p["n"], p["s"], p["qb"], p["kb"]
+    nq, nk = -(-n // qb), -(-s // kb)
+    assert (sched.n, sched.s, sched.q_block, sched.k_block) == (n, s, qb, kb)
+    chex.assert_shape([sched.kv_count, sched.kv_index, sched.kv_full], [extent + (nq,), extent + (nq, nk), extent + (nq, nk)])
+    chex.assert_shape([sched.q_count, sched.q_index, sched.q_full], [extent + (nk,), extent + (nk, nq), extent + (nk, nq)])
+    chex.assert_type(jax.tree_util.tree_leaves(sched), jnp.int32)
+    visited, full = decoded(sched.kv_count, sched.kv_index, sched.kv_full, nk)
+    visited_t, full_t = decoded(sched.q_count, sched.q_index, sched.q_full, nq)
+    np.testing.assert_array_equal(visited_t, np.swapaxes(visited, -1, -2), err_msg="transposed visits")
+    np.testing.assert_array_equal(full_t, np.swapaxes(full, -1, -2), err_msg="transposed full blocks")
+    seen, every = np_classes(np_pattern(p), qb, kb)
+    shape = seen.shape
+    np.testing.assert_array_equal(np.broadcast_to(full, shape), every, err_msg="full blocks")
+    assert not np.any(seen & ~np.broadcast_to(visited, shape)), "a block holding a visible pair is skipped"
+    if exact:
+        np.testing.assert_array_equal(np.broadcast_to(visited, shape), seen, err_msg="visited blocks")
 
 
 def documents(rng, batch: tuple, length: int) -> np.ndarray:
@@ -123,23 +151,22 @@ def cases():
     docs = documents(rng, (2,), 131)
     yield "causal", dict(base, causal=True), (1, 1), True
     yield "causal_square", dict(base, s=97, qb=32, kb=16, causal=True), (1, 1), True
-    yield "window_both", dict(base, kb=16, window=(7, 11)), (1, 1), True
-    yield "window_right_only", dict(base, window=(None, 5)), (1, 1), True
-    yield "window_left_causal", dict(base, causal=True, window=(20, None)), (1, 1), True
-    yield "offset_traced", dict(base, causal=True, window=(13, 3), offset=40), (1, 1), True
-    yield "offset_negative", dict(base, qb=32, kb=16, causal=True, offset=-7), (1, 1), True
     yield "lengths", dict(base, causal=True, q_len=rng.integers(0, 98, (2, 3)), kv_len=rng.integers(0, 132, (2, 3))), \
         (6, 1), True
     yield "lengths_broadcast", dict(base, q_len=np.int32(50), kv_len=rng.integers(1, 132, (3,))), (6, 1), True
     yield "lengths_unbatched", dict(base, q_len=np.int32(50), kv_len=np.int32(77)), (1, 1), True
     yield "documents", dict(base, n=131, batch=(2,), q_ids=docs, kv_ids=docs), (2, 1), True
     yield "documents_causal", dict(base, batch=(2,), causal=True, q_ids=docs[:, 34:], kv_ids=docs), (2, 1), False
-    yield "prefix_lm", dict(base, s=97, kb=16, batch=(2,), heads=3, mod=lambda v: lambda b, h, q, k: (k < 20) | (k <= q),
+    yield "prefix_lm", dict(base, qb=32, kb=16, batch=(2,), heads=3, mod=lambda v: lambda b, h, q, k: (k < 20) | (k <= q),
                             np_mod=lambda v, b, h, i, j: (j < 20) | (j <= i)), (1, 1), True
     yield "prefix_lm_per_batch", dict(base, s=97, batch=(3,), heads=3, values=np.array([0, 33, 70]), start=5,
                                       mod=_prefix_lm, np_mod=lambda v, b, h, i, j: (j < v[b]) | (j <= i)), (3, 1), True
     yield "documents_mod", dict(base, n=131, qb=32, kb=16, batch=(2,), values=docs[0], mod=_same_document,
                                 np_mod=lambda v, b, h, i, j: v[i] == v[j]), (1, 1), True
+    yield "future_mod", dict(base, kb=16, mod=lambda v: lambda b, h, q, k: k >= q,
+                             np_mod=lambda v, b, h, i, j: j >= i), (1, 1), True
+    yield "tail_mod", dict(base, heads=1, mod=lambda v: lambda b, h, q, k: k % 32 >= 3,  # skips the last key block
+                           np_mod=lambda v, b, h, i, j: j % 32 >= 3), (1, 1), True
     yield "head_mod", dict(base, s=97, batch=(2,), heads=3, mod=_head_window,
                            np_mod=lambda v, b, h, i, j: (j <= i) & (i - j < 8 * (h + 1))), (1, 3), True
     yield "everything", dict(base, batch=(2,), causal=True, window=(50, None), offset=36, q_len=np.array([90, 61]),
@@ -152,23 +179,26 @@ CASES = list(cases())
 
 @pytest.mark.parametrize("case,extent,exact", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_schedule_matches_the_pattern(case, extent, exact):
-    sched = schedule_of(case)
-    n, s, qb, kb = case["n"], case["s"], case["qb"], case["kb"]
-    nq, nk = -(-n // qb), -(-s // kb)
-    assert (sched.n, sched.s, sched.q_block, sched.k_block) == (n, s, qb, kb)
-    chex.assert_shape([sched.kv_count, sched.kv_index, sched.kv_full], [extent + (nq,), extent + (nq, nk), extent + (nq, nk)])
-    chex.assert_shape([sched.q_count, sched.q_index, sched.q_full], [extent + (nk,), extent + (nk, nq), extent + (nk, nq)])
-    chex.assert_type(jax.tree_util.tree_leaves(sched), jnp.int32)
-    visited, full = decoded(sched.kv_count, sched.kv_index, sched.kv_full, nk)
-    visited_t, full_t = decoded(sched.q_count, sched.q_index, sched.q_full, nq)
-    np.testing.assert_array_equal(visited_t, np.swapaxes(visited, -1, -2), err_msg="transposed visits")
-    np.testing.assert_array_equal(full_t, np.swapaxes(full, -1, -2), err_msg="transposed full blocks")
-    seen, every = np_classes(np_pattern(case), qb, kb)
-    shape = seen.shape
-    np.testing.assert_array_equal(np.broadcast_to(full, shape), every, err_msg="full blocks")
-    assert not np.any(seen & ~np.broadcast_to(visited, shape)), "a block holding a visible pair is skipped"
-    if exact:
-        np.testing.assert_array_equal(np.broadcast_to(visited, shape), seen, err_msg="visited blocks")
+    check(schedule_fn(case)(arrays(case)), case, extent, exact)
+
+
+@pytest.mark.parametrize("causal,window,qb,kb", [(True, None, 16, 32), (False, (7, 11), 32, 16),
+                                                 (False, (None, 5), 16, 16), (True, (20, None), 32, 32)])
+def test_every_offset(causal, window, qb, kb):
+    """Causality and windows (both sides, one side unbounded) at every alignment of
+    the diagonal with the block edges: one compile, the offset traced."""
+    case = dict(n=97, s=131, qb=qb, kb=kb, batch=(), heads=1, causal=causal, window=window)
+    fn = schedule_fn(case)
+    for offset in range(-40, 150):
+        check(fn(dict(offset=jnp.int32(offset))), dict(case, offset=offset), (1, 1), True)
+
+
+def test_every_length():
+    """Every kv length 0…S and every q length 0…N at once, one per batch entry."""
+    s = 131
+    case = dict(n=97, s=s, qb=16, kb=32, batch=(s + 1,), heads=1, causal=True, window=(40, None),
+                q_len=np.arange(s + 1) % 98, kv_len=np.arange(s + 1))
+    check(schedule_fn(case)(arrays(case)), case, (s + 1, 1), True)
 
 
 def test_some_cases_skip_and_some_are_full():
@@ -203,7 +233,7 @@ def test_packed_32k_never_builds_an_n_by_s_array():
 
 
 def test_schedule_is_a_pytree_with_static_sizes():
-    sched = build_schedule(_masking.Visibility(7, 11, is_causal=True), 2, 3)
+    sched = jax.jit(build_schedule, static_argnums=(1, 2))(_masking.Visibility(7, 11, is_causal=True), 2, 3)
     leaves, treedef = jax.tree_util.tree_flatten(sched)
     assert len(leaves) == 6
     again = jax.tree_util.tree_unflatten(treedef, leaves)
