@@ -3,6 +3,8 @@
 `jax_mha.nnx` holds the Flax NNX twins of the modules (import it explicitly).
 """
 
+import jax as _jax
+
 from jax_mha.functional import (
     attention,
     attention_entropy,
@@ -18,9 +20,18 @@ from jax_mha.functional import (
 from jax_mha.interop import from_flax, from_torch_state_dict, mask_from_torch, to_flax, to_torch_state_dict
 from jax_mha.modules import FeedForward, MultiHeadAttention, TransformerBlock
 
+# `jax.export` refuses custom calls without a serialization guarantee unless told; the
+# GPU kernel (Pallas' Triton backend) is one. Pass these to export a model that calls
+# the kernels for a GPU: `jax.export.export(f, platforms=["cuda"],
+# disabled_checks=jax_mha.EXPORT_DISABLED_CHECKS)` (docs/accelerators.md, "Export").
+KERNEL_CUSTOM_CALL_TARGETS = ("__gpu$xla.gpu.triton",)
+EXPORT_DISABLED_CHECKS = tuple(_jax.export.DisabledSafetyCheck.custom_call(t) for t in KERNEL_CUSTOM_CALL_TARGETS)
+
 __version__ = "0.1.0"  # the one version source: pyproject.toml reads it (tool.setuptools.dynamic)
 
 __all__ = [
+    "EXPORT_DISABLED_CHECKS",
+    "KERNEL_CUSTOM_CALL_TARGETS",
     "FeedForward",
     "MultiHeadAttention",
     "TransformerBlock",

@@ -107,6 +107,21 @@ def lowering_chain(lowering: str) -> tuple[str, ...]:
     return tuple(name for name in chain if REGISTRY[name].lowers is None or REGISTRY[name].lowers(lowering))
 
 
+def _named(name: str, vis: _masking.Visibility, call: _masking.Call) -> str:
+    """An explicitly chosen path; a kernel interpreted on this CPU as an `AutoChoice`:
+    interpreted in the CPU branch only, compiled in the branches of its own platforms
+    that it takes compiled, so an export for them holds the kernel, not its emulation;
+    any other platform gets the pure-JAX path."""
+    path = REGISTRY[name]
+    if not (path.interprets and call.platform == "cpu"):
+        return name
+    pure = pure_path(vis, call)
+    takes = lambda home: home == "cpu" or (
+        home in path.platforms and path.refusal(vis, call._replace(platform=home)) is None)
+    per_platform = {lowering: name if takes(home) else pure for lowering, home in LOWERING_PLATFORMS.items()}
+    return AutoChoice(name, {**per_platform, None: pure})
+
+
 def _first_taker(vis: _masking.Visibility, call: _masking.Call, chain) -> str:
     """The first path of `chain` that `"auto"` may take, else the pure-JAX path:
     the first registered one that takes the whole call, the engine once the whole
@@ -142,7 +157,7 @@ def choose(vis: _masking.Visibility, call: _masking.Call, implementation: str | 
         why = refusal(implementation, vis, call)
         if why is not None:
             raise ValueError(why)
-        return implementation
+        return _named(implementation, vis, call)
     per_platform = {lowering: _first_taker(vis, call._replace(platform=home), lowering_chain(lowering))
                     for lowering, home in LOWERING_PLATFORMS.items()}
     per_platform[None] = _first_taker(vis, call, ())
@@ -154,8 +169,10 @@ def _run_auto(choice: AutoChoice, q, k, v, bad_kv, vis, call, **options):
     one `jax.lax.platform_dependent` branch per distinct path (a kernel's branch sees
     `Call.platform` of its own platform, so it runs compiled, never interpreted)."""
     paths = dict(choice.per_platform)
-    if len(set(paths.values())) == 1:  # every kernel refused: nothing to stage per platform
-        return _run_path(paths[None], q, k, v, bad_kv, vis, call, **options)
+    homes = {lowering: LOWERING_PLATFORMS.get(lowering, call.platform) if REGISTRY[path].platforms else None
+             for lowering, path in paths.items()}
+    if len({(paths[x], homes[x]) for x in paths}) == 1:  # one branch for all: nothing to stage per platform
+        return _run_path(str(paths[None]), q, k, v, bad_kv, vis, call, **options)
     dtype = _masking.compute_dtype(q.dtype)
 
     def branch(path, home):
@@ -175,9 +192,8 @@ def _run_auto(choice: AutoChoice, q, k, v, bad_kv, vis, call, **options):
 
     branches, per_platform = {}, {}
     for lowering, path in paths.items():
-        home = LOWERING_PLATFORMS.get(lowering, call.platform)
-        key = (path, home) if REGISTRY[path].platforms else (path, None)  # one pure-JAX branch for all
-        per_platform[lowering] = branches.setdefault(key, branch(path, home))
+        key = (path, homes[lowering])  # one pure-JAX branch for all
+        per_platform[lowering] = branches.setdefault(key, branch(path, homes[lowering] or call.platform))
     default = per_platform.pop(None)
     return jax.lax.platform_dependent(q, k, v, bad_kv, default=default, **per_platform)
 

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jax_mha import _masking
+from jax_mha import _flex, _masking
 from jax_mha._pallas_common import (
     flat_batch,
     kernel_mesh,
@@ -63,13 +63,16 @@ from jax_mha._pallas_common import (
     static_int,
     without_x64,
 )
-from jax_mha._path import Path, fallback
+from jax_mha._path import PARTS, Path, fallback, parts
+from jax_mha._softmax import with_sinks
 
 NAME = "implementation='pallas_tpu'"
 # MaxText's default splash block (sa_block_q = sa_block_kv = 512); 128 is the smallest
 # TPU tile, so short sequences use their own length rounded up to 128.
 DEFAULT_BLOCK = 512
 MIN_BLOCK = 128
+# The library's own kernel's blocks (interpret mode: any size crosses tiles the same way).
+OWN_BLOCK = 32
 # The fused backward keeps one partial dq `(H, N, D)` per key block: up to this many.
 FUSED_BWD_MAX_KV_BLOCKS = 4
 
@@ -286,8 +289,39 @@ def _call_kernel(kernel, arrays):
 
 # Splash takes the pattern, lengths, segment ids, the soft-cap and sinks, and a static
 # query offset; no per-pair values or functions, no log-sum-exp (see above).
-PATH = Path("pallas_tpu", kernel_run(run), platforms=("tpu",), interprets=True, limits=limits,
-            takes=frozenset({"logits_soft_cap", "sinks", "window", "kv_lengths", "q_lengths", "segment_ids",
-                             "query_offset"}))
-refusal = PATH.refusal
+SPLASH_TAKES = frozenset({"logits_soft_cap", "sinks", "window", "kv_lengths", "q_lengths", "segment_ids",
+                          "query_offset"})
+_splash = kernel_run(run)
 
+
+def _own_kernel(vis: _masking.Visibility, call: _masking.Call) -> bool:
+    """Whether the call needs the library's own kernel (`jax_mha._flex`): a part splash
+    does not take."""
+    return not set(parts(vis, call)) <= SPLASH_TAKES
+
+
+def _limits(vis: _masking.Visibility, call: _masking.Call) -> str | None:
+    """`limits`, and on a TPU the parts only the library's own kernel takes: its Mosaic
+    lowering is not built, so compiled it runs splash alone."""
+    why = limits(vis, call)
+    if why is None and call.platform == "tpu" and _own_kernel(vis, call):
+        part = next(p for p in parts(vis, call) if p not in SPLASH_TAKES)
+        why = (f"{NAME} compiled for a TPU runs splash attention, which cannot express {PARTS[part].describe(vis)} "
+               f"(the library's own kernel takes it in interpret mode only); {fallback()}")
+    return why
+
+
+def _run(q, k, v, bad_kv, vis: _masking.Visibility, call: _masking.Call, *, scale: float, **options):
+    """Splash for what it takes, else the library's own kernel (interpret mode)."""
+    if not _own_kernel(vis, call):
+        return _splash(q, k, v, bad_kv, vis, call, scale=scale, **options)
+    with jax.numpy_dtype_promotion("standard"):
+        out, lse, touched = _flex.attend(q, k, v, bad_kv, vis, scale=scale, q_block=OWN_BLOCK, k_block=OWN_BLOCK,
+                                         interpret=call.platform == "cpu", backend="mosaic")
+    empty = lse == -jnp.inf
+    out, lse = with_sinks(out.astype(_masking.compute_dtype(q.dtype)), lse, vis.sinks)
+    return out, None, lse, empty, touched
+
+
+PATH = Path("pallas_tpu", _run, platforms=("tpu",), interprets=True, limits=_limits, takes=_flex.TAKES)
+refusal = PATH.refusal

@@ -196,16 +196,15 @@ NOT_APPLICABLE = {  # (path, feature): a combination that has no meaning there
     ("decode", "residual"),
 }
 RING_REFUSES = {"mask": "mask", "bias": "bias", "dropout": "dropout", "uniform_rows": "empty_rows"}
-KERNEL_REFUSES = {"bias": "bias", "mask": "mask", "score_mod": "score_mod", "mask_mod": "mask_mod",
-                  "dropout": "dropout", "sinks": "sinks", "residual": "return_residual"}
+# The library's own kernels (`jax_mha._flex`) take every feature but a dense mask and dropout.
+KERNEL_REFUSES = {"mask": "mask", "dropout": "dropout"}
 # What a path refuses, and the word its message must contain.
 REFUSES = {
     "blockwise": {"dropout": "dropout"},
     "decode": {},
     "ring": RING_REFUSES,
-    "pallas_tpu": {name: word for name, word in KERNEL_REFUSES.items() if name != "sinks"},  # splash has sinks
-    "pallas_gpu": KERNEL_REFUSES | {"soft_cap": "soft_cap", "window": "window", "kv_lengths": "lengths",
-                                    "segments": "segment-id array"},
+    "pallas_tpu": KERNEL_REFUSES,
+    "pallas_gpu": KERNEL_REFUSES,
 }
 
 

@@ -39,7 +39,9 @@ def fake_kernel(refuses=None):
     seen = {}
 
     def run(q, k, v, vis, *, scale, interpret):
-        seen.update(vis=vis, interpret=interpret, finite=bool(jnp.all(jnp.isfinite(q)) & jnp.all(jnp.isfinite(v))))
+        seen.update(vis=vis, interpret=interpret)
+        # A named kernel runs staged (one jitted branch per platform): read the inputs when it runs.
+        jax.debug.callback(lambda ok: seen.update(finite=bool(ok)), jnp.all(jnp.isfinite(q)) & jnp.all(jnp.isfinite(v)))
         allowed = _masking.dense_allowed(vis, q.ndim)
         weights, _ = reference_weights(q, k, allowed, scale=scale)  # (weights, empty)
         weights = jnp.where(jnp.any(allowed, -1, keepdims=True), weights, 1.0 / k.shape[-2])  # garbage on empty rows

@@ -30,7 +30,7 @@ from jax_mha import _masking, _pallas_gpu, _pallas_tpu
 KERNELS = {"pallas_tpu": _pallas_tpu, "pallas_gpu": _pallas_gpu}
 # (export platform, call platform, custom-call target, forward / backward kernel names)
 TARGETS = {
-    "pallas_gpu": ("cuda", "gpu", "__gpu$xla.gpu.triton", 'name = "mha_forward"', 'name = "mha_backward"'),
+    "pallas_gpu": ("cuda", "gpu", "__gpu$xla.gpu.triton", 'name = "forward_kernel"', 'name = "dkv_kernel"'),
     "pallas_tpu": ("tpu", "tpu", "tpu_custom_call", "splash_mha_fwd", "splash_mha_dkv"),
 }
 B, H, K = 2, 4, 2  # GQA everywhere
@@ -55,10 +55,15 @@ def export_cell(name, n, s, d, dtype, parts, grad):
     q = jax.ShapeDtypeStruct((B, H, n, d), dtype)
     k = jax.ShapeDtypeStruct((B, K, s, d), dtype)
     vis = _vis(n, s, parts)
-    why = mod.refusal(vis, _masking.Call(q, k, k, platform=call_platform))
+    call = _masking.Call(q, k, k, platform=call_platform)
+    why = mod.refusal(vis, call)
     if why is not None:
         return ("refused", why)
-    f = lambda q, k, v: mod.run(q, k, v, vis, scale=d ** -0.5, interpret=False)
+    if name == "pallas_gpu":  # the path's own run (the library's kernel), compiled for the GPU
+        bad = jnp.zeros((B, K, s), bool)
+        f = lambda q, k, v: mod.run(q, k, v, bad, vis, call, scale=d ** -0.5)[0]
+    else:  # splash's kernel function
+        f = lambda q, k, v: mod.run(q, k, v, vis, scale=d ** -0.5, interpret=False)
     if grad:
         forward = f
         f = jax.grad(lambda q, k, v: forward(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
@@ -71,9 +76,9 @@ DEFAULT_CELLS = [
     ("pallas_gpu", 34, 34, 64, "bfloat16", ("causal",)),
     ("pallas_gpu", 100, 100, 128, "float32", ("causal", "segments")),
     ("pallas_gpu", 1, 1, 128, "bfloat16", ()),
-    ("pallas_gpu", 128, 128, 64, "float32", ("window",)),  # refused: no window in the Triton kernel
-    ("pallas_gpu", 100, 37, 64, "bfloat16", ()),  # N > S: query chunks
-    ("pallas_gpu", 37, 100, 128, "float32", ("causal",)),  # S > N: dummy queries in front
+    ("pallas_gpu", 128, 128, 64, "float32", ("window",)),
+    ("pallas_gpu", 100, 37, 64, "bfloat16", ("segments", "sinks")),  # N > S
+    ("pallas_gpu", 37, 100, 128, "float32", ("causal",)),  # S > N
     ("pallas_gpu", 1000, 1000, 256, "bfloat16", ("causal",)),  # the widest head the GPU path takes
     ("pallas_tpu", 34, 34, 64, "bfloat16", ("window",)),
     ("pallas_tpu", 100, 100, 128, "float32", ("causal", "segments")),
@@ -102,13 +107,8 @@ def pytest_generate_tests(metafunc):
 
 
 def expected_refusal(name, n, s, parts) -> str | None:
-    """What `refusal` must say for a cell of this grid, or None (it must lower)."""
-    if name == "pallas_gpu" and "window" in parts:
-        return "cannot express a local window"
-    if name == "pallas_gpu" and "sinks" in parts:
-        return "cannot express sinks"
-    if name == "pallas_gpu" and "segments" in parts and n != s:
-        return "reads one segment-id array for queries and keys"
+    """What `refusal` must say for a cell of this grid, or None (it must lower): the
+    library's kernel and splash take every cell."""
     return None
 
 
@@ -137,19 +137,6 @@ def backward_kernels(name, s) -> int:
         return 2
     block = min(_pallas_tpu.DEFAULT_BLOCK, -(-s // _pallas_tpu.MIN_BLOCK) * _pallas_tpu.MIN_BLOCK)
     return 1 if -(-s // block) <= _pallas_tpu.FUSED_BWD_MAX_KV_BLOCKS else 2
-
-
-def test_old_block_rule_fails_triton_lowering():
-    """The rule the tests above guard: a 48-row tile (round_up(34, 16)) is refused by
-    Pallas' Triton lowering, so the tests do reach that check."""
-    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
-
-    x = jax.ShapeDtypeStruct((1, 48, 2, 64), jnp.bfloat16)
-    sizes = gpu_attention.BlockSizes(48, 48, 48, 48, 48, 48)
-    f = lambda q, k, v: gpu_attention.mha(q, k, v, None, causal=True, block_sizes=sizes)
-    checks = [jax.export.DisabledSafetyCheck.custom_call(TARGETS["pallas_gpu"][2])]
-    with pytest.raises(ValueError, match="power of 2"):
-        jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(x, x, x)
 
 
 # --- implementation="auto" lowered for each platform ----------------------------------
@@ -186,13 +173,17 @@ def test_auto_lowers_to_the_kernel_of_the_platform_exported_for(grad):
 
 
 def test_auto_exports_the_pure_path_where_every_kernel_refuses_and_triton_for_cudnn():
-    """A soft-cap Triton cannot express leaves CUDA's branch the pure-JAX path while
-    TPU's takes splash; a bfloat16 call a GPU host would give to cuDNN is exported for
-    CUDA from this CPU with the Triton kernel (jax.nn's cuDNN call cannot be traced
-    without a GPU)."""
+    """A dense mask no kernel exported from this CPU takes leaves both branches the
+    pure-JAX path (cuDNN would take it on a GPU host); a soft cap goes to the library's
+    kernel for CUDA and to splash for TPU; a bfloat16 call a GPU host would give to
+    cuDNN is exported for CUDA from this CPU with the Triton kernel (jax.nn's cuDNN
+    call cannot be traced without a GPU)."""
     from jax_mha import _dispatch
 
-    assert TARGETS["pallas_gpu"][2] not in export_auto(["cuda"], logits_soft_cap=5.0)
+    mask = np.tril(np.ones((100, 100), bool))
+    assert TARGETS["pallas_gpu"][2] not in export_auto(["cuda"], mask=mask)
+    assert TARGETS["pallas_tpu"][2] not in export_auto(["tpu"], mask=mask)
+    assert TARGETS["pallas_gpu"][2] in export_auto(["cuda"], logits_soft_cap=5.0)
     assert TARGETS["pallas_tpu"][2] in export_auto(["tpu"], logits_soft_cap=5.0)
     q = jax.ShapeDtypeStruct((B, H, 128, 64), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((B, K, 128, 64), jnp.bfloat16)
@@ -332,3 +323,102 @@ def test_splash_runs_in_a_shard_map_under_a_mesh():
         assert "kv heads K=3 (H=6)" in got[f"{kind} refusal"], got
     assert "batch over the mesh axis 'data' of size 2, which does not divide the flattened batch 3" in got[
         "sharding refusal"], got
+
+
+# --- the library's own kernel: every feature it takes, lowered ------------------------
+
+def _feature_kwargs(feature, n, s):
+    """Keyword arguments of `attention` for one composed feature (traced values are
+    arguments of the exported function: `values`)."""
+    offset = s - n
+    return {
+        "alibi": lambda v: dict(is_causal=True, score_mod=lambda sc, b, h, i, j: sc + v["slopes"][h] * (j - i - offset)),
+        "soft_cap": lambda v: dict(is_causal=True, logits_soft_cap=30.0),
+        "documents": lambda v: dict(mask_mod=lambda b, h, i, j: v["docs"][b, i + offset] == v["docs"][b, j]),
+        "window": lambda v: dict(local_window_size=(16, 16)),
+        "prefix_lm": lambda v: dict(mask_mod=lambda b, h, i, j: (j < s // 4) | (j <= i + offset)),
+        "sinks": lambda v: dict(is_causal=True, sinks=v["slopes"]),
+        "bias": lambda v: dict(bias=v["bias"]),
+        "table": lambda v: dict(score_mod=lambda sc, b, h, i, j: sc + v["table"][h, jnp.clip(j - i - offset + 16, 0, 31)]),
+        "lengths_window": lambda v: dict(kv_lengths=v["lengths"], local_window_size=(16, 16)),
+        "residual": lambda v: dict(is_causal=True, return_residual=True),
+    }[feature]
+
+
+FEATURES = ("alibi", "soft_cap", "documents", "window", "prefix_lm", "sinks", "bias", "table", "lengths_window",
+            "residual")
+
+
+def export_feature(feature, implementation, platform, n=96, s=96, grad=True):
+    """The exported text of the gradient (of q, k, v and the floating values) of
+    `attention(..., implementation=...)` with one composed feature."""
+    from jax_mha import EXPORT_DISABLED_CHECKS, attention
+
+    q = jax.ShapeDtypeStruct((B, H, n, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((B, K, s, 64), jnp.bfloat16)
+    values = {"slopes": jax.ShapeDtypeStruct((H,), jnp.float32), "docs": jax.ShapeDtypeStruct((B, s), jnp.int32),
+              "bias": jax.ShapeDtypeStruct((B, H, n, s), jnp.bfloat16),
+              "table": jax.ShapeDtypeStruct((H, 32), jnp.float32), "lengths": jax.ShapeDtypeStruct((B,), jnp.int32)}
+    make = _feature_kwargs(feature, n, s)
+
+    def f(q, k, v, values):
+        out = attention(q, k, v, implementation=implementation, **make(values))
+        out = out[0] if isinstance(out, tuple) else out
+        return out.astype(jnp.float32).sum()
+
+    floating = lambda v: {x: y for x, y in v.items() if jnp.issubdtype(y.dtype, jnp.floating)}
+    g = jax.grad(lambda q, k, v, fl, rest: f(q, k, v, {**fl, **rest}), argnums=(0, 1, 2, 3)) if grad else None
+    ints = {x: y for x, y in values.items() if x not in floating(values)}
+    fn = g if grad else (lambda q, k, v, fl, rest: f(q, k, v, {**fl, **rest}))
+    return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=EXPORT_DISABLED_CHECKS)(
+        q, k, k, floating(values), ints).mlir_module()
+
+
+@pytest.mark.parametrize("implementation", ["pallas_gpu", "auto"])
+@pytest.mark.parametrize("feature", FEATURES)
+def test_every_feature_exports_for_cuda_with_the_kernel(feature, implementation):
+    """Forward and backward of each composed feature, named or chosen by "auto",
+    exported for CUDA from this CPU: the library's three Triton kernels (forward, dq,
+    dk/dv), compiled (never the interpret-mode emulation, which has no custom call)."""
+    text = export_feature(feature, implementation, "cuda")
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 3
+    for kernel in ("forward_kernel", "dq_kernel", "dkv_kernel"):
+        assert f'name = "{kernel}"' in text
+
+
+@pytest.mark.parametrize("feature", ["alibi", "documents", "bias", "table"])
+def test_tpu_export_of_what_splash_cannot_take_is_the_pure_path_not_an_emulation(feature):
+    """On a TPU `"pallas_tpu"` runs splash; a part only the library's kernel takes (in
+    interpret mode) is refused there by name, and an export for TPU of the named
+    kernel holds the pure-JAX path, not the interpret-mode emulation."""
+    from jax_mha import _dispatch
+
+    q = jax.ShapeDtypeStruct((B, H, 96, 64), jnp.bfloat16)
+    vis = _masking.Visibility(96, 96, score_mod=(lambda s, b, h, i, j: s) if feature in ("alibi", "table") else None,
+                              mask_mod=(lambda b, h, i, j: i >= j) if feature == "documents" else None,
+                              bias=jnp.zeros((1, 1, 96, 96)) if feature == "bias" else None)
+    why = _dispatch.refusal("pallas_tpu", vis, _masking.Call(q, q, q, platform="tpu"))
+    assert why is not None and "runs splash attention, which cannot express" in why
+    text = export_feature(feature, "pallas_tpu", "tpu")
+    assert "tpu_custom_call" not in text and "dot_general" in text
+
+
+def test_packed_documents_at_32k_hold_no_n_by_s_tensor():
+    """N = S = 32768, 8 packed documents by a mask_mod over traced ids, forward and
+    backward exported for CUDA: the schedule is built a query block at a time and the
+    kernel holds tiles, so no 32768 x 32768 array appears anywhere in the module."""
+    from jax_mha import EXPORT_DISABLED_CHECKS, attention
+
+    n = 32768
+    q = jax.ShapeDtypeStruct((1, 2, n, 64), jnp.bfloat16)
+    docs = jax.ShapeDtypeStruct((1, n), jnp.int32)
+
+    def loss(q, k, v, docs):
+        out = attention(q, k, v, implementation="pallas_gpu", is_causal=True,
+                        mask_mod=lambda b, h, i, j: docs[b, i] == docs[b, j])
+        return out.astype(jnp.float32).sum()
+
+    text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
+                             disabled_checks=EXPORT_DISABLED_CHECKS)(q, q, q, docs).mlir_module()
+    assert "custom_call @__gpu$xla.gpu.triton" in text
+    assert f"{n}x{n}" not in text and f"{n},{n}" not in text

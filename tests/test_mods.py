@@ -201,20 +201,20 @@ def test_bad_mods_raise_one_line_errors_naming_them(rng, kw, error, match):
     assert "\n" not in str(info.value)
 
 
-REFUSED = [
-    ("pallas_tpu", dict(score_mod=lambda s, b, h, i, j: s), "score_mod"),
-    ("pallas_tpu", dict(mask_mod=lambda b, h, i, j: j <= i), "mask_mod"),
-    ("pallas_gpu", dict(score_mod=lambda s, b, h, i, j: s), "score_mod"),
-    ("pallas_gpu", dict(mask_mod=lambda b, h, i, j: j <= i), "mask_mod"),
-    ("pallas_gpu", dict(logits_soft_cap=5.0), "logits_soft_cap"),
+REFUSED = [  # compiled for a TPU, "pallas_tpu" runs splash (the library's kernel takes them interpreted)
+    (dict(score_mod=lambda s, b, h, i, j: s), "score_mod"),
+    (dict(mask_mod=lambda b, h, i, j: j <= i), "mask_mod"),
 ]
 
 
-@pytest.mark.parametrize("path,kw,name", REFUSED)
-def test_kernels_refuse_what_they_cannot_express_by_name(rng, path, kw, name):
+@pytest.mark.parametrize("kw,name", REFUSED)
+def test_tpu_kernel_refuses_what_splash_cannot_express_by_name(rng, kw, name):
+    from jax_mha import _dispatch, _masking
+
     q, k, v, _ = case_inputs(rng, "alibi")
-    with pytest.raises(ValueError, match=f"{path}.*{name}"):
-        attention(q, k, v, implementation=path, **kw)
+    vis = Visibility(q.shape[-2], k.shape[-2], **kw)
+    why = _dispatch.refusal("pallas_tpu", vis, _masking.Call(q, k, v, platform="tpu"))
+    assert why is not None and name in why and "splash" in why
 
 
 def test_auto_keeps_mods_off_the_kernels(monkeypatch, rng):

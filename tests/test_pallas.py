@@ -1,4 +1,4 @@
-"""The Pallas kernel paths (`pallas_tpu` = splash, `pallas_gpu` = Triton mha) in Pallas
+"""The Pallas kernel paths (`pallas_tpu` = splash, `pallas_gpu` = the library's kernel) in Pallas
 interpret mode against the float64 reference, on tiny prime-sized shapes that still
 cover several blocks, padding, chunking and offsets. Each kernel's `run` is checked as
 the dispatcher uses it (rows with no visible key zeroed afterwards); `refusal` is
@@ -40,8 +40,12 @@ def _inputs(rng, batch, h, kh, n, s, d=16, dv=None):
 
 def _dispatched(mod, q, k, v, vis):
     """`run` as the dispatcher uses it: refusal None first, rows with no key zeroed after."""
-    assert mod.refusal(vis, _masking.Call(q, k, v)) is None
-    out = mod.run(q, k, v, vis, scale=SCALE, interpret=True)
+    call = _masking.Call(q, k, v)
+    assert mod.refusal(vis, call) is None
+    if mod is _pallas_gpu:  # a path's run (the library's kernel)
+        out = mod.run(q, k, v, jnp.zeros(k.shape[:-1], bool), vis, call, scale=SCALE)[0].astype(q.dtype)
+    else:  # splash's kernel function
+        out = mod.run(q, k, v, vis, scale=SCALE, interpret=True)
     assert out.shape == q.shape[:-1] + v.shape[-1:] and out.dtype == q.dtype
     empty, _ = _masking.dense_rows(vis, jnp.zeros(k.shape[:-1], bool), q.shape[-3])
     return jnp.where(empty[..., None], 0.0, out.astype(jnp.float32))
@@ -221,33 +225,6 @@ def test_tpu_logits_soft_cap_matches_float64(rng):
                                                                                  magnitude=want))
 
 
-@pytest.mark.parametrize("n,s,is_causal,offset", [
-    (1, 1, False, 0), (34, 34, True, 0), (100, 100, False, 0), (200, 100, False, -100), (100, 200, True, 100),
-    (1, 1000, False, 999), (1, 1000, True, 999), (300, 100, True, -200), (5, 40, True, 2), (4096, 4096, True, 0),
-])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_layout_blocks_and_positions(n, s, is_causal, offset, head_dim):
-    """Static placement: power-of-two blocks dividing the padded lengths (Triton's
-    lowering needs them), equal block counts for the fused backward, the backward's
-    blocks for this head dim where the sequence allows, only the needed rows."""
-    lay = _pallas_gpu.layout(n, s, is_causal, offset, head_dim)
-    outer, inner = _pallas_gpu.backward_blocks(head_dim)
-    block_q, block_k, bwd_q_inner, bwd_k, bwd_q, bwd_k_inner = lay.sizes
-    for block, length in ((block_q, lay.t_q), (block_k, lay.t_k), (bwd_q, lay.t_q), (bwd_k, lay.t_k),
-                          (bwd_q_inner, lay.t_q), (bwd_k_inner, lay.t_k)):
-        assert block & (block - 1) == 0 and 16 <= block <= 128 and length % block == 0, (block, length)
-    assert lay.t_q // bwd_q == lay.t_k // bwd_k and lay.t_q <= lay.t_k and s <= lay.t_k < s + block_k
-    assert bwd_k == min(outer, lay.t_k) and bwd_q_inner == min(inner, bwd_q) and bwd_k_inner == min(inner, bwd_k)
-    pos = _pallas_gpu.positions(lay, n)
-    assert pos.max() < s and lay.front + lay.rows <= lay.t_q  # computed rows sit on real keys' positions
-    computed = lay.chunks * lay.rows
-    assert n - lay.skip <= computed < n - lay.skip + s
-    if is_causal:
-        assert lay.skip == max(-offset, 0) and lay.rows == n - lay.skip and lay.chunks == 1
-    if (n, s, is_causal) == (1, 1000, False):
-        assert lay.t_k == 1024 and lay.t_q == 16 * (1024 // outer)  # one query pays for 16 rows per program
-
-
 def _traced(fn):
     """Calls `fn` with a traced int32 scalar (inside a jit trace); its result."""
     box = []
@@ -257,16 +234,19 @@ def _traced(fn):
 
 STRUCT = jax.ShapeDtypeStruct
 BOTH_REFUSE = [
-    ("bias", dict(bias=jnp.zeros((1, 1, 7, 11))), {}),
     ("dense mask", dict(mask=jnp.ones((1, 1, 7, 11), bool)), {}),
-    ("score_mod", dict(score_mod=lambda s, b, h, i, j: s), {}),
-    ("mask_mod", dict(mask_mod=lambda b, h, i, j: j <= i), {}),
     ("return_weights", {}, dict(return_weights=True)),
     ("dropout", {}, dict(dropout=True)),
     ("float32, too coarse for float64", {}, dict(dtype=jnp.float64)),
     ("one dtype", {}, dict(k_dtype=jnp.bfloat16)),
     ("H=6, K=4", {}, dict(kh=4)),
     ("traced query offset", "traced", {}),
+]
+# Parts only the library's kernel takes: compiled for a TPU, "pallas_tpu" runs splash.
+SPLASH_REFUSES = [
+    ("bias", dict(bias=jnp.zeros((1, 1, 7, 11))), {}),
+    ("score_mod", dict(score_mod=lambda s, b, h, i, j: s), {}),
+    ("mask_mod", dict(mask_mod=lambda b, h, i, j: j <= i), {}),
     ("return_residual=True", {}, dict(return_residual=True)),
 ]
 
@@ -291,50 +271,47 @@ def test_refusal_names_the_part(name, part, vis_kw, call_kw):
     assert _refusal(name, {}, {}) is None
 
 
+@pytest.mark.parametrize("part,vis_kw,call_kw", SPLASH_REFUSES, ids=[p for p, _, _ in SPLASH_REFUSES])
+def test_tpu_compiled_refuses_what_splash_cannot_take_and_interpreted_takes_it(part, vis_kw, call_kw):
+    why = _refusal("pallas_tpu", vis_kw, call_kw)
+    assert why is not None and part in why and "runs splash attention" in why and "'xla'" in why, why
+    assert _refusal("pallas_tpu", vis_kw, call_kw, platform="cpu") is None
+    assert _refusal("pallas_gpu", vis_kw, call_kw) is None
+
+
 @pytest.mark.parametrize("part,vis_kw,call_kw", [
-    ("local window", dict(window=(3, 2)), {}),
-    ("kv_lengths", dict(kv_lengths=np.array([5, 11])), {}),
-    ("logits_soft_cap", dict(logits_soft_cap=5.0), {}),
-    ("equal q/k and v head dims", {}, dict(dv=32)),
-    ("head_dim in 9..256 on a GPU", {}, dict(d=8)),
-    ("head_dim in 9..256 on a GPU", {}, dict(d=264)),
-    ("query row 3 has id 0 but sits on key 3 of id 1", dict(q_ids=np.zeros((2, 7), int),
-                                                           kv_ids=np.array([[0, 0, 0, 1] + [0] * 7] * 2)), {}),
-    ("past the last key", dict(is_causal=True, q_offset=5), {}),
+    ("head dims up to 256 on a GPU", {}, dict(d=264)),
     ("runs on a GPU", {}, dict(platform="tpu")),
 ])
-def test_gpu_refuses_what_one_id_array_and_triton_cannot_take(part, vis_kw, call_kw):
+def test_gpu_refuses_by_name(part, vis_kw, call_kw):
     call_kw = dict(call_kw)
     why = _refusal("pallas_gpu", vis_kw, call_kw, platform=call_kw.pop("platform", None))
     assert why is not None and part in why, why
 
 
-def test_gpu_segment_ids_traced_only_for_self_attention():
+def test_gpu_takes_what_the_wrapped_triton_kernel_refused():
+    """Windows, kv_lengths, the soft cap, Dv != D, small head dims, distinct or traced
+    segment ids for queries and keys, a causal offset past the last key."""
     ids = jnp.zeros((2, 11), jnp.int32)
-    call = _masking.Call(STRUCT((2, 6, 11, 64), jnp.float32), STRUCT((2, 2, 11, 64), jnp.float32),
+    for vis_kw, call_kw in [(dict(window=(3, 2)), {}), (dict(kv_lengths=np.array([5, 11])), {}),
+                            (dict(logits_soft_cap=5.0), {}), ({}, dict(dv=32)), ({}, dict(d=8)),
+                            (dict(q_ids=np.zeros((2, 7), int), kv_ids=np.array([[0, 0, 0, 1] + [0] * 7] * 2)), {}),
+                            (dict(is_causal=True, q_offset=5), {})]:
+        assert _refusal("pallas_gpu", vis_kw, call_kw) is None, vis_kw
+    call = _masking.Call(STRUCT((2, 6, 7, 64), jnp.float32), STRUCT((2, 2, 11, 64), jnp.float32),
                          STRUCT((2, 2, 11, 64), jnp.float32), platform="gpu")
-    shared = lambda o: _vis((2,), 6, 11, 11, is_causal=True, q_ids=ids + o, kv_ids=ids + o, segments_shared=True)
-    assert _traced(lambda o: _pallas_gpu.refusal(shared(o), call)) is None
-    apart = lambda o: _vis((2,), 6, 11, 11, is_causal=True, q_ids=ids + o, kv_ids=ids + 2 * o)
-    assert "kv_segment_ids left out (here N=11, S=11)" in _traced(lambda o: _pallas_gpu.refusal(apart(o), call))
-    cross = _masking.Call(STRUCT((2, 6, 7, 64), jnp.float32), *call[1:])
-    why = _traced(lambda o: _pallas_gpu.refusal(_vis((2,), 6, 7, 11, q_ids=ids[:, :7] + o, kv_ids=ids + o), cross))
-    assert "(here N=7, S=11)" in why
+    apart = lambda o: _vis((2,), 6, 7, 11, q_ids=ids[:, :7] + o, kv_ids=ids + 2 * o)
+    assert _traced(lambda o: _pallas_gpu.refusal(apart(o), call)) is None
 
 
-def test_gpu_traced_shared_ids_through_attention(rng):
-    """Traced ids given once (`kv_segment_ids` left out) run on the kernel, exactly;
-    traced ids given twice are refused by name (the kernel cannot check they agree)."""
-    q, k, v = _inputs(rng, (1,), 2, 2, 19, 19)
-    ids = np.repeat([[0, 1]], 1, 0).repeat([9, 10], 1)
-    f = jax.jit(lambda q, k, v, ids: attention(q, k, v, q_segment_ids=ids, implementation="pallas_gpu"))
-    want, _ = np_attention(q, k, v, mask=np_allowed((1, 2, 19, 19), q_segment_ids=ids))
-    np.testing.assert_allclose(np.asarray(f(q, k, v, ids)), want,
-                               atol=f32_tolerance(terms=_forward_terms(16, 19), magnitude=want))
-    twice = jax.jit(lambda q, k, v, ids: attention(q, k, v, q_segment_ids=ids, kv_segment_ids=ids + 0,
-                                                           implementation="pallas_gpu"))
-    with pytest.raises(ValueError, match="kv_segment_ids left out"):
-        twice(q, k, v, ids)
+def test_gpu_traced_ids_through_attention(rng):
+    """Traced ids given once or twice (queries' and keys' apart) run on the kernel."""
+    q, k, v = _inputs(rng, (1,), 2, 2, 19, 23)
+    q_ids, kv_ids = np.repeat([[0, 1]], 1, 0).repeat([9, 10], 1), np.repeat([[0, 1]], 1, 0).repeat([12, 11], 1)
+    f = jax.jit(lambda q, k, v, a, b: attention(q, k, v, q_segment_ids=a, kv_segment_ids=b, implementation="pallas_gpu"))
+    want, _ = np_attention(q, k, v, mask=np_allowed((1, 2, 19, 23), q_segment_ids=q_ids, kv_segment_ids=kv_ids))
+    np.testing.assert_allclose(np.asarray(f(q, k, v, q_ids, kv_ids)), want,
+                               atol=f32_tolerance(terms=_forward_terms(16, 23), magnitude=want))
 
 
 def test_tpu_refuses_float16_and_accepts_the_rest():
@@ -351,8 +328,9 @@ def test_forward_mode_is_refused_clearly(rng, name):
     # time (the docstrings quote it), never a trace from inside the kernel.
     q, k, v = _inputs(rng, (1,), 1, 1, 16, 16)
     vis = _vis((1,), 1, 16, 16)
+    del vis
     with pytest.raises(TypeError, match="forward-mode autodiff .* custom_vjp"):
-        jax.jvp(lambda q: KERNELS[name].run(q, k, v, vis, scale=SCALE, interpret=True), (q,), (q,))
+        jax.jvp(lambda q: attention(q, k, v, implementation=name), (q,), (q,))
 
 
 NAN_CASES = {  # a NaN reachable only through keys the description hides from every other row

@@ -1,0 +1,132 @@
+"""The library's own flash kernel (`jax_mha._flex`) behind `implementation="pallas_gpu"`
+and `"pallas_tpu"`, in Pallas interpret mode on this CPU: every feature it takes,
+values and gradients (q, k, v and every floating value a mod closes over) against the
+float64 reference of conftest (`jax_reference`), GQA, N and S crossing block edges.
+The lowering for CUDA of the same calls is in tests/test_lowering.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import f32_tolerance, jax_reference, np_allowed, x64
+
+from jax_mha import attention
+
+B, H, K, N, S, D = 2, 4, 2, 97, 131, 8
+OFFSET = S - N  # query i sits at key position i + OFFSET (bottom-right alignment)
+KERNELS = ("pallas_gpu", "pallas_tpu")
+TERMS = 2 * D + 3 * S + (H // K) * N  # forward and backward sums (see test_composition)
+
+
+def _features():
+    """name -> `(kw(values), reference(values) -> dict of jax_reference's arguments,
+    values: the floating arrays the call closes over, by name)`."""
+    rng = np.random.default_rng(0)
+    rows, cols = np.arange(N)[:, None] + OFFSET, np.arange(S)[None, :]
+    docs = np.sort(rng.integers(0, 4, (B, S)), axis=-1).astype(np.int32)
+    same_doc = docs[:, None, :, None][..., OFFSET:, :] == docs[:, None, None, :]  # (B, 1, N, S)
+    buckets = np.clip(cols - rows + 16, 0, 31)
+
+    def alibi(v):
+        return (dict(is_causal=True, score_mod=lambda s, b, h, i, j: s + v["slopes"][h] * (j - i - OFFSET)),
+                dict(allowed=np_allowed((B, H, N, S), is_causal=True),
+                     bias=v["slopes"][None, :, None, None] * jnp.asarray(cols - rows, v["slopes"].dtype)[None, None]))
+
+    def table(v):
+        return (dict(score_mod=lambda s, b, h, i, j: s + v["table"][h, jnp.clip(j - i - OFFSET + 16, 0, 31)]),
+                dict(bias=v["table"][:, buckets][None]))
+
+    ids = jnp.asarray(docs)
+    return {
+        "alibi": (alibi, {"slopes": rng.uniform(0.1, 1.0, H)}),
+        "soft_cap": (lambda v: (dict(logits_soft_cap=2.0, is_causal=True),
+                                dict(cap=2.0, allowed=np_allowed((B, H, N, S), is_causal=True))), {}),
+        "documents": (lambda v: (dict(mask_mod=lambda b, h, i, j: ids[b, i + OFFSET] == ids[b, j]),
+                                 dict(allowed=same_doc)), {}),
+        "window": (lambda v: (dict(local_window_size=(9, 5)), dict(allowed=np_allowed((B, H, N, S), window=(9, 5)))),
+                   {}),
+        "prefix_lm": (lambda v: (dict(mask_mod=lambda b, h, i, j: (j < 40) | (j <= i + OFFSET)),
+                                 dict(allowed=(cols < 40) | (cols <= rows))), {}),
+        "sinks": (lambda v: (dict(sinks=v["sinks"], is_causal=True),
+                             dict(sinks=v["sinks"], allowed=np_allowed((B, H, N, S), is_causal=True))),
+                  {"sinks": rng.standard_normal(H)}),
+        "bias": (lambda v: (dict(bias=v["bias"]), dict(bias=v["bias"])), {"bias": rng.standard_normal((B, H, N, S))}),
+        "table": (table, {"table": rng.standard_normal((H, 32))}),
+        "lengths_window": (lambda v: (dict(kv_lengths=np.array([70, S]), local_window_size=(20, 20)),
+                                      dict(allowed=np_allowed((B, H, N, S), kv_lengths=np.array([70, S]),
+                                                              window=(20, 20)))), {}),
+        "segments": (lambda v: (dict(q_segment_ids=docs[:, OFFSET:], kv_segment_ids=docs), dict(allowed=same_doc)),
+                     {}),
+    }
+
+
+FEATURES = _features()
+
+
+def _inputs(dtype=np.float32):
+    rng = np.random.default_rng(1)
+    return tuple(rng.standard_normal(shape).astype(dtype) for shape in ((B, H, N, D), (B, K, S, D), (B, K, S, D)))
+
+
+def _loss(out, lse, w):
+    return jnp.sum(out * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w[..., 0])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_kernel_equals_the_float64_reference(kernel, feature):
+    """Output, log-sum-exp and the gradients of q, k, v and the captured floating values."""
+    make, values = FEATURES[feature]
+    q, k, v = _inputs()
+    w = np.random.default_rng(2).standard_normal((B, H, N, D))
+
+    def ours(q, k, v, vals):
+        kw, _ = make(vals)
+        out, lse = attention(q, k, v, implementation=kernel, return_residual=True, **kw)
+        return _loss(out, lse, w), (out, lse)
+
+    def reference(q, k, v, vals):
+        _, ref = make(vals)
+        out, lse = jax_reference(q, k, v, return_lse=True, **{n: jnp.asarray(x) for n, x in ref.items()})
+        return _loss(out, lse, w), (out, lse)
+
+    f32 = {n: jnp.asarray(x, jnp.float32) for n, x in values.items()}
+    (_, got), grads = jax.value_and_grad(ours, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, f32)
+    with x64():
+        f64 = {n: jnp.asarray(x, jnp.float64) for n, x in values.items()}
+        (_, want), want_grads = jax.value_and_grad(reference, argnums=(0, 1, 2, 3), has_aux=True)(
+            *(jnp.asarray(x, jnp.float64) for x in (q, k, v)), f64)
+    assert set(grads[3]) == set(values)  # every captured floating value took a gradient
+    for a, b in zip(jax.tree.leaves((got, grads)), jax.tree.leaves((want, want_grads))):
+        b = np.asarray(b)
+        np.testing.assert_allclose(np.asarray(a), b, atol=f32_tolerance(terms=TERMS, magnitude=b[np.isfinite(b)]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_half_precision_gradients_stay_within_the_reference_error_at_sharp_logits(dtype):
+    """q and k scaled by 60 (logits in the thousands): the kernel's gradients are no
+    further from float64 than the same math in plain JAX at the same input dtype."""
+    q, k, v = (jnp.asarray(x) for x in _inputs())
+    q, k = q * 60, k * 60
+    w = jnp.asarray(np.random.default_rng(3).standard_normal((B, H, N, D)), jnp.float32)
+    half = lambda x: x.astype(dtype)
+
+    def ours(q, k, v):
+        return jnp.sum(attention(q, k, v, implementation="pallas_gpu", is_causal=True).astype(jnp.float32) * w)
+
+    def plain(q, k, v):
+        allowed = np_allowed((B, H, N, S), is_causal=True)
+        return jnp.sum(jax_reference(q, k, v, allowed=allowed).astype(jnp.float32) * w)
+
+    got = jax.grad(ours, argnums=(0, 1, 2))(*map(half, (q, k, v)))
+    base = jax.grad(plain, argnums=(0, 1, 2))(*map(half, (q, k, v)))
+    with x64():
+        exact = jax.grad(plain, argnums=(0, 1, 2))(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
+    for name, a, b, e in zip("qkv", got, base, exact):
+        e = np.asarray(e)
+        err = np.max(np.abs(np.asarray(a, np.float64) - e))
+        base_err = np.max(np.abs(np.asarray(b, np.float64) - e))
+        eps = float(jnp.finfo(dtype).eps)
+        assert err <= 2 * base_err + 4 * eps * np.max(np.abs(e)), (name, err, base_err)
