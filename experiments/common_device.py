@@ -135,19 +135,21 @@ def device_tests_table(data: dict) -> str:
 
 
 def blocks_table(data: dict) -> str:
-    """Forward+backward ms per (outer, inner) backward blocks; the fastest per D marked."""
+    """Forward+backward ms per pair of blocks (the library kernel's `q_block, k_block`,
+    or the former wrapped kernel's backward `outer, inner`); the fastest per D marked."""
+    a, b = ("q_block", "k_block") if "q_block" in data["rows"][0] else ("outer", "inner")
     lines = [f"{data['device']}: causal forward+backward, B={data['batch']}, H={data['heads']}, "
              f"N=S={data['seq']}, {data['dtype']}; gradient error relative to the largest gradient of the "
-             "float32 blockwise engine.", "", "| D | outer | inner | ms | error |", "|---:|---:|---:|---:|---:|"]
+             "float32 blockwise engine.", "", f"| D | {a} | {b} | ms | error |", "|---:|---:|---:|---:|---:|"]
     for d in dict.fromkeys(r["head_dim"] for r in data["rows"]):
         rows = [r for r in data["rows"] if r["head_dim"] == d]
         best = min((r for r in rows if "ms" in r), key=lambda r: r["ms"], default=None)
         for r in rows:
             if "ms" not in r:
-                lines.append(f"| {d} | {r['outer']} | {r['inner']} | {r['error']} | – |")
+                lines.append(f"| {d} | {r[a]} | {r[b]} | {r['error']} | – |")
                 continue
             ms = f"**{r['ms']:.2f}**" if r is best else f"{r['ms']:.2f}"
-            lines.append(f"| {d} | {r['outer']} | {r['inner']} | {ms} | {r['relative_error']:.1e} |")
+            lines.append(f"| {d} | {r[a]} | {r[b]} | {ms} | {r['relative_error']:.1e} |")
     return "\n".join(lines)
 
 
