@@ -204,3 +204,13 @@ def test_flex_benchmark_ratios_are_over_cudnn_plain_causal_and_refusals_are_grou
     with pytest.raises(ValueError, match="no block 'table_x'"):
         report.render(data, "table_x")
 
+
+def test_composed_attention_page_is_generated_once_its_data_exists():
+    """No number before the flex run's data is committed; its blocks once it is."""
+    page = (report.PAGES / "composed_attention.md").read_text(encoding="utf-8")
+    markers = [f"<!-- report: device_benchmark_flex#{b} -->" for b in ("table", "tflops", "versus_cudnn", "refusals")]
+    if (report.DATA / "device_benchmark_flex.json").exists():
+        assert all(m in page for m in markers) and "Not measured yet" not in page
+    else:
+        assert "Not measured yet: run `python -m experiments.device_benchmark --preset flex` on a GPU." in page
+        assert not any(m in page for m in markers)
