@@ -32,6 +32,7 @@ import math
 import statistics
 import time
 import types
+from concurrent import futures as concurrent_futures
 from typing import Callable
 
 import jax.numpy as jnp
@@ -234,19 +235,32 @@ def error_cell(e: Exception) -> dict:
     return dict(error=f"{type(e).__name__}: {text.splitlines()[0][:200] if text else ''}")
 
 
-def round_robin(steps: dict, repeats: int) -> dict:
+def _first_call(step) -> dict:
+    """The compiling call of one step: `{first_call_s}`, or its error."""
+    try:
+        t0 = time.perf_counter()
+        step()
+        return dict(first_call_s=time.perf_counter() - t0)
+    except Exception as e:  # recorded; the other steps go on
+        return error_cell(e)
+
+
+def round_robin(steps: dict, repeats: int, concurrent: frozenset = frozenset()) -> dict:
     """`{key: cell}` for `steps` (`{key: f}`, each `f()` blocking until its result is
     ready): one compiling call each, then `repeats` rounds of one call each, in turn, so
     that whatever slows the device for a while slows every step alike. A cell holds
-    `first_call_s`, `times_ms`, the median `ms`, `ms_min` and `ms_max`, or `error`."""
-    cells, times = {}, {}
-    for key, step in steps.items():
-        try:
-            t0 = time.perf_counter()
-            step()
-            cells[key], times[key] = dict(first_call_s=time.perf_counter() - t0), []
-        except Exception as e:  # recorded; the other steps go on
-            cells[key] = error_cell(e)
+    `first_call_s`, `times_ms`, the median `ms`, `ms_min` and `ms_max`, or `error`.
+
+    The compiling calls of the keys in `concurrent` run at once, in threads (JAX
+    compiles in parallel, releasing the GIL), while the others (PyTorch's: its compiler
+    is not thread-safe) run one after another in this thread: their `first_call_s`
+    counts compiling under that contention. The timed rounds run in this thread alone."""
+    with concurrent_futures.ThreadPoolExecutor(max_workers=max(len(concurrent), 1)) as pool:
+        started = {key: pool.submit(_first_call, step) for key, step in steps.items() if key in concurrent}
+        firsts = {key: _first_call(step) for key, step in steps.items() if key not in concurrent}
+        firsts.update({key: future.result() for key, future in started.items()})
+    cells = {key: firsts[key] for key in steps}
+    times = {key: [] for key, cell in cells.items() if "error" not in cell}
     for _ in range(repeats):
         for key in list(times):
             try:

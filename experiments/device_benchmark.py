@@ -29,9 +29,10 @@ of q, k, v) by jax_mha's `"pallas_gpu"` (a refusal recorded, untimed) and
 `"blockwise"`, PyTorch's `flex_attention` under `torch.compile` with the same mods and
 a `create_block_mask` built once per case outside the timed call (skipped, with the
 reason, without torch with CUDA), and jax.nn's cuDNN plain causal call once per size
-as the reference of every case. Each measurement: one compiling call, then 3 calls
-round-robin over the case's implementations (noise hits all alike): median, min and
-max. TFLOP/s over each case's visible pairs, counted exactly (`common_flex.
+as the reference of every case. Each measurement: one compiling call (a case's JAX
+steps compile at once, in threads, while PyTorch compiles in the main thread), then 3
+calls round-robin over the case's implementations (noise hits all alike): median, min
+and max. TFLOP/s over each case's visible pairs, counted exactly (`common_flex.
 visible_pairs`). No case starts after `--budget` seconds (default 270: under 6 minutes
 in all, compilation included, on one H100/H200 by design; not yet timed on one).
 Results page: docs/results/composed_attention.md, rendered by `experiments.report`
@@ -418,7 +419,8 @@ def flex_case(case: str, grid: common_flex.FlexGrid, n: int, d: int, arrays: dic
             for p, backward in (("forward", False), ("forward_backward", True)):
                 step = flex_jax_step(name, case, grid, n, backward)
                 steps[name, p] = lambda step=step: jax.block_until_ready(step(*args))
-    for (name, p), cell in common_flex.round_robin(steps, grid.repeats).items():
+    jax_steps = frozenset(key for key in steps if not key[0].startswith("torch"))
+    for (name, p), cell in common_flex.round_robin(steps, grid.repeats, concurrent=jax_steps).items():
         if "ms" in cell:
             tflops = common_flex.attention_flops(grid, case, n, d, p == "forward_backward") / cell["ms"] / 1e9
             half = grid.dtype in ("bfloat16", "float16")

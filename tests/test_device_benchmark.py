@@ -14,6 +14,7 @@ installed) against the same reference, forward."""
 import functools
 import json
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -272,6 +273,12 @@ def test_round_robin_interleaves_and_records_a_failure():
     cells = common_flex.round_robin({"a": lambda: calls.append("a"), "b": fails_later}, repeats=3)
     assert calls == ["a", "b"] + ["a", "b"] * 2 + ["a"]  # compiling calls, then rounds in turn; b fails in round 2
     assert cells["b"] == {"error": "RuntimeError: out of memory"} and len(cells["a"]["times_ms"]) == 3
+    threads = {}
+    cells = common_flex.round_robin({"c": lambda: threads.setdefault("c", threading.get_ident()),
+                                     "d": lambda: threads.setdefault("d", threading.get_ident())}, repeats=2,
+                                    concurrent=frozenset({"c"}))  # c compiles in a thread, d here
+    assert list(cells) == ["c", "d"] and threads["d"] == threading.get_ident() != threads["c"]
+    assert all(len(cell["times_ms"]) == 2 for cell in cells.values())
 
 
 @pytest.mark.skipif(common_flex.torch_missing(need_cuda=False) is not None, reason="torch is not installed")
