@@ -303,9 +303,12 @@ def torch_version() -> str | None:
 
 @functools.cache
 def compiled_flex():
-    """`torch.compile(flex_attention)`, static shapes. Every case and size compiles anew
-    (new mods, new shapes): Dynamo's recompile limit is raised, because past it the call
-    would fall back to eager FlexAttention, which builds the whole scores."""
+    """`torch.compile(flex_attention)`, static shapes, `fullgraph=True`. Eager
+    FlexAttention builds the whole scores and must never be timed in its place: past
+    Dynamo's recompile limit, or after a failed compile (a graph break), a call would
+    silently run eager; `fullgraph` makes a failure raise (recorded as the step's error),
+    and the limit is raised, since every case and size compiles anew (new mods, new
+    shapes)."""
     import torch
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -314,7 +317,7 @@ def compiled_flex():
                  "accumulated_recompile_limit"):
         if hasattr(config, name):
             setattr(config, name, max(getattr(config, name), 1024))
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=False, fullgraph=True)
 
 
 def torch_block_mask(c: Composed, b: int, n: int, device: str):
