@@ -1,5 +1,6 @@
-"""The tables of the accelerator results (docs/results/gpu_kernels.md), rendered from
-committed data by `experiments.report`. Kinds:
+"""The tables of the accelerator results (docs/results/gpu_kernels.md,
+docs/results/composed_attention.md), rendered from committed data by
+`experiments.report`. Kinds:
 
 - `device_tests`: `pytest -m device` on one device (`experiments.report` reads the
   outcome per test); block `table`.
