@@ -12,7 +12,7 @@ the same two functions in NumPy. The cases:
 - `causal`: plain causal attention, the reference;
 - `alibi`: ALiBi (Press et al. 2022), `score_mod` adding `slopes[h] · (kv_idx - q_idx)`
   over traced per-head slopes, causal;
-- `softcap`: `logits_soft_cap` 30 (`30 · tanh(s / 30)`, Gemma 2), causal;
+- `softcap`: `logits_soft_cap` 30 (`30 · tanh(s / 30)`, the form of Gemma 2's cap), causal;
 - `documents`: `docs` packed documents per row by a `mask_mod` over traced document
   ids `(B, N)`, causal within each document;
 - `window`: `local_window_size=(window, window)`, not causal;
