@@ -1,11 +1,17 @@
-"""The tables of the accelerator results (docs/results/gpu_kernels.md), rendered from
-committed data by `experiments.report`. Kinds:
+"""The tables of the accelerator results (docs/results/gpu_kernels.md,
+docs/results/composed_attention.md), rendered from committed data by
+`experiments.report`. Kinds:
 
 - `device_tests`: `pytest -m device` on one device (`experiments.report` reads the
   outcome per test); block `table`.
 - `device_benchmark`: `experiments.device_benchmark` (one preset on one device); blocks
   `table` (milliseconds per path and case), `tflops` (forward+backward TFLOP/s) and
   `versus_jax_nn` (each jax_mha kernel's time over jax.nn's cuDNN call, causal cases).
+- `device_benchmark_flex`: `experiments.device_benchmark --preset flex` (composed
+  attention: mods, windows, sinks, against FlexAttention); blocks `table` (median
+  milliseconds and the min–max of the repeats per case and implementation),
+  `tflops` (forward+backward TFLOP/s), `versus_cudnn` (time over jax.nn's cuDNN plain
+  causal call at the same size) and `refusals` (why an implementation did not run).
 - `pallas_gpu_blocks`: `experiments.pallas_gpu_blocks`; block `table`.
 """
 
@@ -123,6 +129,108 @@ def benchmark_versus_jax_nn(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _flex_sizes(data: dict) -> list[tuple[int, int]]:
+    """(N, D) of a flex run, in the order measured."""
+    return list(dict.fromkeys((r["seq"], r["head_dim"]) for r in data["rows"]))
+
+
+def _flex_row(data: dict, impl: str, case: str, n: int, d: int) -> dict | None:
+    return next((r for r in data["rows"] if (r["impl"], r["case"], r["seq"], r["head_dim"]) == (impl, case, n, d)),
+                None)
+
+
+def _flex_columns(data: dict) -> list[str]:
+    """The implementations timed somewhere, jax.nn's cuDNN reference last."""
+    timed = _impls(data)[0]
+    return [n for n in timed if n != "jax.nn:cudnn"] + [n for n in timed if n == "jax.nn:cudnn"]
+
+
+def _flex_head(data: dict) -> str:
+    grid = data["grid"]
+    torch = f"torch {data['torch']}" if data.get("torch") else "no torch"
+    return (f"{data['device']}, B={grid['batch']}, H={grid['heads']}, {grid['dtype']}, {torch}; median of "
+            f"{grid['repeats']} timed calls after a compiling one, round-robin over a case's implementations; "
+            + ("every case measured" if not data["stopped_early"] else "stopped early by its budget"))
+
+
+def _flex_untimed(cell: dict) -> str:
+    return next(iter(cell))
+
+
+def flex_table(data: dict) -> str:
+    """Median ms [min–max], forward / forward+backward, per size, case and implementation."""
+    columns = _flex_columns(data)
+    lines = [f"{_flex_head(data)}. Cells: forward / forward+backward, median ms [min–max]; jax.nn's cuDNN call "
+             "runs plain causal attention, the reference of every case.", ""]
+    spread = lambda r: f"{r['ms']:.2f} [{r['ms_min']:.2f}–{r['ms_max']:.2f}]"
+    for n, d in _flex_sizes(data):
+        lines += [f"**N = {n}, D = {d}**", "", "| case | " + " | ".join(f"`{c}`" for c in columns) + " |",
+                  "|---|" + "---|" * len(columns)]
+        for case in data["cases"]:
+            cells = [_cell(_flex_row(data, impl, case, n, d), spread) for impl in columns]
+            lines.append(f"| {case} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def flex_tflops(data: dict) -> str:
+    """Forward+backward TFLOP/s over the visible pairs of each case (% of the spec peak)."""
+    columns, peak = _flex_columns(data), data.get("peak_bf16_tflops")
+    lines = ["Forward+backward TFLOP/s, counting each case's visible pairs only"
+             + (f" (% of the {peak:g} TFLOP/s dense bfloat16 spec peak)." if peak else "."), "",
+             "| case | N | D | visible pairs per head | " + " | ".join(f"`{c}`" for c in columns) + " |",
+             "|---|---:|---:|---:|" + "---|" * len(columns)]
+    for n, d in _flex_sizes(data):
+        for case in data["cases"]:
+            pairs, cells = None, []
+            for impl in columns:
+                row = _flex_row(data, impl, case, n, d)
+                pairs = row["visible_pairs"] if row is not None else pairs
+                r = None if row is None else row["forward_backward"]
+                rate = None if r is None or "tflops" not in r else f"{r['tflops']:.0f}" if r["tflops"] >= 10 else (
+                    f"{r['tflops']:.2g}")
+                cells.append("–" if r is None else _flex_untimed(r) if rate is None else
+                             rate + (f" ({r['peak_pct']:.0f} %)" if r.get("peak_pct") is not None else ""))
+            lines.append(f"| {case} | {n} | {d} | {pairs:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def flex_versus_cudnn(data: dict) -> str:
+    """Each implementation's median time over jax.nn's cuDNN plain causal call at the same
+    (N, D): what the composition costs next to the plain kernel (the window and the
+    documents see fewer pairs, so below 1.00 is possible)."""
+    columns = [c for c in _flex_columns(data) if c != "jax.nn:cudnn"]
+    lines = [f"Time over jax.nn's cuDNN plain causal call ({data['device']}): forward / forward+backward.", "",
+             "| case | N | D | " + " | ".join(f"`{c}`" for c in columns) + " |", "|---|---:|---:|" + "---|" * len(columns)]
+    for n, d in _flex_sizes(data):
+        base = _flex_row(data, "jax.nn:cudnn", "causal", n, d)
+        for case in data["cases"]:
+            cells = []
+            for impl in columns:
+                row = _flex_row(data, impl, case, n, d)
+                pair = [row[p]["ms"] / base[p]["ms"] if row and base and "ms" in row[p] and "ms" in base[p] else None
+                        for p in PASSES]
+                cells.append(" / ".join("–" if x is None else f"{x:.2f}" for x in pair))
+            lines.append(f"| {case} | {n} | {d} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def flex_refusals(data: dict) -> str:
+    """Why an implementation did not run a case: each distinct reason once, with its cases."""
+    reasons: dict[tuple[str, str], list[str]] = {}
+    for row in data["rows"]:
+        for p in PASSES:
+            cell = row[p]
+            if "ms" not in cell:
+                kind = _flex_untimed(cell)
+                cases = reasons.setdefault((row["impl"], f"{kind}: {cell[kind]}"), [])
+                if row["case"] not in cases:
+                    cases.append(row["case"])
+    if not reasons:
+        return "Every implementation ran every case."
+    return "\n".join(f"- `{impl}`, {', '.join(cases)}: {why}" for (impl, why), cases in reasons.items())
+
+
 def device_tests_table(data: dict) -> str:
     """One line per test that ran (not skipped on this device), its outcome and time."""
     ran = [t for t in data["tests"] if t["outcome"] != "skipped"]
@@ -168,6 +276,8 @@ RENDERERS: dict[str, dict[str, Callable[[dict], str]]] = {
     "device_tests": {"table": device_tests_table},
     "device_benchmark": {"table": benchmark_table, "tflops": benchmark_tflops,
                          "versus_jax_nn": benchmark_versus_jax_nn},
+    "device_benchmark_flex": {"table": flex_table, "tflops": flex_tflops, "versus_cudnn": flex_versus_cudnn,
+                              "refusals": flex_refusals},
     "pallas_gpu_blocks": {"table": blocks_table},
 }
 

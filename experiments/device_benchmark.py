@@ -1,11 +1,14 @@
 """Accelerator benchmark: every jax_mha attention path this platform compiles, jax.nn's
 dot_product_attention ("cudnn" and "xla") and PyTorch's SDPA (when torch with CUDA is
-installed), forward and forward+backward, causal and causal with 8 packed documents.
+installed), forward and forward+backward, causal and causal with 8 packed documents;
+and, with `--preset flex`, composed attention against PyTorch's FlexAttention.
 
     python -m experiments.device_benchmark --preset quick   # B=8, H=16, N 1k/4k/16k, D 64/128, bf16
     python -m experiments.device_benchmark --preset float16 # the quick sizes, causal, float16 (pallas_mgpu)
     python -m experiments.device_benchmark --preset full    # more sizes and float32 (no budget)
-    python -m experiments.device_benchmark --smoke          # one tiny size: the only thing run on CPU
+    python -m experiments.device_benchmark --preset flex    # composed cases: B=8, H=16, N 4k/16k, D 64/128, bf16
+    python -m experiments.device_benchmark --smoke          # one tiny size: with --preset flex
+                                                            # (every flex case), the only things run on CPU
 
 `--preset quick` took 138 s on an H200, compilation included (docs/results/gpu_kernels.md),
 and stops early with what it has when `--budget` seconds (default 420) run out. Pallas paths are never timed in interpret
@@ -17,12 +20,30 @@ of d = N/8 tokens 8·d(d+1)/2, times 4·D forward (two matmuls) and 3.5x that fo
 forward+backward (FlashAttention-2's count). TFLOP/s is given as a % of the device's
 dense bfloat16 spec peak where the device kind is known (`PEAK_TFLOPS`). Results:
 JSON (atomic) and a figure, both naming the device.
+
+`--preset flex` (the cases: `experiments.common_flex`): plain causal, ALiBi by
+`score_mod` over traced slopes, soft cap 30, 8 packed documents by `mask_mod` over
+traced ids, a (1024, 1024) window, prefix-LM by `mask_mod`, traced sinks, and a T5
+relative-position table by `score_mod`, each forward and forward+backward (gradients
+of q, k, v) by jax_mha's `"pallas_gpu"` (a refusal recorded, untimed) and
+`"blockwise"`, PyTorch's `flex_attention` under `torch.compile` with the same mods and
+a `create_block_mask` built once per case outside the timed call (skipped, with the
+reason, without torch with CUDA), and jax.nn's cuDNN plain causal call once per size
+as the reference of every case. Each measurement: one compiling call (a case's JAX
+steps compile at once, in threads, while PyTorch compiles in the main thread), then 3
+calls round-robin over the case's implementations (noise hits all alike): median, min
+and max. TFLOP/s over each case's visible pairs, counted exactly (`common_flex.
+visible_pairs`). No case starts after `--budget` seconds (default 270: under 6 minutes
+in all, compilation included, on one H100/H200 by design; not yet timed on one).
+Results page: docs/results/composed_attention.md, rendered by `experiments.report`
+from docs/results/data/device_benchmark_flex.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import itertools
 import sys
@@ -33,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import common_flex
 from experiments.common import median_seconds, run_metadata, save_figure, use_agg_backend, write_json
 from jax_mha import _dispatch, functional
 from jax_mha._validate import describe
@@ -68,6 +90,14 @@ PRESETS = {
     "full": Grid(batch=(1, 8), heads=(8, 32), seq=(1024, 4096, 16384, 32768), dtype=("bfloat16", "float32"),
                  budget=None, repeats=5),
 }
+# The composed cases (experiments.common_flex): each case against FlexAttention, its own grid.
+FLEX_PRESETS = {
+    "flex": common_flex.FlexGrid(),
+    # `--preset flex --smoke`: every case at one tiny size (prime B and H, a window that
+    # cuts, 7 tokens per document), float32 so that a CPU runs it; seconds.
+    "flex_smoke": common_flex.FlexGrid(batch=2, heads=3, seq=(56,), head_dim=(16,), dtype="float32", window=6,
+                                       budget=None),
+}
 
 
 def paths_for(platform: str, dtype: str = "float32") -> list[str]:
@@ -102,7 +132,7 @@ def peak_tflops(device_kind: str) -> float | None:
 
 def segment_ids(b: int, n: int) -> np.ndarray:
     """int32 `(B, N)`: `DOCS` documents of N / DOCS tokens each, packed in every row."""
-    return np.broadcast_to(np.repeat(np.arange(DOCS, dtype=np.int32), -(-n // DOCS))[:n], (b, n)).copy()
+    return common_flex.document_ids(b, n, DOCS)
 
 
 def implementations(platform: str, dtype: str) -> list[str]:
@@ -298,25 +328,174 @@ def plot(result: dict):
     return fig
 
 
+# ----------------------------------------------------------------- the flex preset
+
+
+def flex_implementations(case: str) -> list[str]:
+    """The implementations of one flex case: jax_mha's Triton kernel and engine, jax.nn's
+    cuDNN plain causal call (in the causal case only: one reference per size, the same
+    for every case) and PyTorch's FlexAttention."""
+    return ["jax_mha:pallas_gpu", "jax_mha:blockwise"] + (["jax.nn:cudnn"] if case == "causal" else []) + ["torch:flex"]
+
+
+def flex_arrays(grid: common_flex.FlexGrid, n: int, d: int) -> dict:
+    """q, k, v `(B, H, N, D)`, the same as jax.nn's `(B, N, H, D)`, and the cases'
+    parameters, NumPy (`np`) and on the device (`params`)."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    bhnd = tuple(jax.random.normal(key, (grid.batch, grid.heads, n, d), grid.dtype) for key in keys)
+    np_params = common_flex.case_params(grid, n)
+    return dict(bhnd=bhnd, bnhd=tuple(jnp.swapaxes(x, 1, 2) for x in bhnd), np=np_params,
+                params={key: jnp.asarray(x) for key, x in np_params.items()})
+
+
+def flex_row(case: str, name: str, grid: common_flex.FlexGrid, n: int, d: int, **cells) -> dict:
+    """One implementation on one case at one size; its passes' cells added as they come."""
+    return dict(case=case, impl=name, batch=grid.batch, heads=grid.heads, seq=n, head_dim=d, dtype=grid.dtype,
+                visible_pairs=common_flex.visible_pairs(case, n, grid), **cells)
+
+
+def flex_untimed(name: str, c: common_flex.Composed, arrays: dict, dtype: str, platform: str) -> dict | None:
+    """`{skipped | refused: reason}` for an implementation that does not run this case
+    here (a jax_mha path's own refusal, as `"auto"` reads it), or None."""
+    library, impl = name.split(":")
+    if library == "torch":
+        why = common_flex.torch_missing()
+        return None if why is None else dict(skipped=why)
+    if library == "jax.nn":
+        if platform != "gpu":
+            return dict(skipped=f"jax.nn's cuDNN call runs on a CUDA GPU, not on {platform}")
+        return None if dtype in ("bfloat16", "float16") else dict(
+            skipped=f"jax.nn's cuDNN call takes float16/bfloat16 only, not {dtype}")
+    if impl not in paths_for(platform, dtype):
+        return dict(skipped=f"{impl} is timed compiled on its own device only (never in interpret mode), "
+                            f"not on {platform}")
+    q, k, v = arrays["bhnd"]
+    try:
+        functional.resolve_implementation(q, k, v, describe(q, k, v, **common_flex.jax_kwargs(c)),
+                                          implementation=impl)
+    except ValueError as e:
+        return dict(refused=str(e))
+    return None
+
+
+@functools.cache
+def flex_jax_step(name: str, case: str, grid: common_flex.FlexGrid, n: int, backward: bool):
+    """`step(q, k, v, params)` jitted: jax_mha's path `name` on the case built from the
+    traced `params`, or jax.nn's cuDNN plain causal call (`(B, N, H, D)`); with
+    `backward`, the gradients of q, k, v of the float32 sum of the output. Cached: the
+    tests check the very steps a smoke run timed, without compiling them again."""
+    library, impl = name.split(":")
+
+    def f(q, k, v, params):
+        if library == "jax.nn":
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+        c = common_flex.compose(case, params, n, grid, common_flex.JAX_OPS)
+        return functional.attention(q, k, v, implementation=impl, **common_flex.jax_kwargs(c))
+
+    if not backward:
+        return jax.jit(f)
+    return jax.jit(jax.grad(lambda *args: jnp.sum(f(*args).astype(jnp.float32)), argnums=(0, 1, 2)))
+
+
+def flex_case(case: str, grid: common_flex.FlexGrid, n: int, d: int, arrays: dict, platform: str,
+              peak: float | None) -> list[dict]:
+    """One row per implementation of one case at one size, its two passes timed
+    round-robin with every other implementation's (`common_flex.round_robin`)."""
+    c = common_flex.compose(case, arrays["params"], n, grid, common_flex.JAX_OPS)
+    rows, steps = {}, {}
+    for name in flex_implementations(case):
+        row = rows[name] = flex_row(case, name, grid, n, d)
+        untimed = flex_untimed(name, c, arrays, grid.dtype, platform)
+        if untimed is not None:
+            row.update(forward=untimed, forward_backward=untimed)
+        elif name == "torch:flex":
+            try:
+                passes, row["block_mask_s"] = common_flex.torch_steps(case, grid, n, d, arrays["np"])
+                steps.update({(name, p): f for p, f in passes.items()})
+            except Exception as e:  # no memory, a torch that cannot build the mask: recorded, the run goes on
+                row.update(forward=common_flex.error_cell(e), forward_backward=common_flex.error_cell(e))
+        else:
+            args = (*arrays["bnhd" if name.startswith("jax.nn") else "bhnd"], arrays["params"])
+            for p, backward in (("forward", False), ("forward_backward", True)):
+                step = flex_jax_step(name, case, grid, n, backward)
+                steps[name, p] = lambda step=step: jax.block_until_ready(step(*args))
+    jax_steps = frozenset(key for key in steps if not key[0].startswith("torch"))
+    for (name, p), cell in common_flex.round_robin(steps, grid.repeats, concurrent=jax_steps).items():
+        if "ms" in cell:
+            tflops = common_flex.attention_flops(grid, case, n, d, p == "forward_backward") / cell["ms"] / 1e9
+            half = grid.dtype in ("bfloat16", "float16")
+            cell.update(tflops=tflops, peak_pct=100 * tflops / peak if peak is not None and half else None)
+        rows[name][p] = cell
+    return list(rows.values())
+
+
+def run_flex(grid: common_flex.FlexGrid, budget: float | None) -> dict:
+    """Every case of `grid` at every (N, D), smallest first, until `budget` seconds (None:
+    no limit) have passed: a case not started by then is recorded as skipped."""
+    platform, kind = _dispatch.platform(), str(jax.devices()[0].device_kind)
+    peak, start, rows, auto, stopped = peak_tflops(kind), time.monotonic(), [], [], False
+    for n, d in itertools.product(grid.seq, grid.head_dim):
+        arrays = flex_arrays(grid, n, d)
+        for case in grid.cases:
+            stopped = stopped or (budget is not None and time.monotonic() - start > budget)
+            if stopped:
+                late = dict(skipped=f"the budget of {budget:g} s ran out")
+                rows += [flex_row(case, name, grid, n, d, forward=late, forward_backward=late)
+                         for name in flex_implementations(case)]
+                continue
+            q, k, v = arrays["bhnd"]
+            c = common_flex.compose(case, arrays["params"], n, grid, common_flex.JAX_OPS)
+            vis = describe(q, k, v, **common_flex.jax_kwargs(c))
+            auto.append(dict(case=case, seq=n, head_dim=d, chosen=functional.resolve_implementation(q, k, v, vis)))
+            for row in flex_case(case, grid, n, d, arrays, platform, peak):
+                rows.append(row)
+                print(format_flex_row(row), flush=True)
+        del arrays
+    return dict(kind="device_benchmark_flex", device=kind, platform=platform, peak_bf16_tflops=peak,
+                cases={case: common_flex.DESCRIPTIONS[case] for case in grid.cases},
+                torch=common_flex.torch_version(), rows=rows, auto=auto, budget_s=budget, stopped_early=stopped,
+                seconds=time.monotonic() - start, grid=dataclasses.asdict(grid), metadata=run_metadata(),
+                time=time.time())
+
+
+def format_flex_row(row: dict) -> str:
+    head = f"{row['case']:<10} {row['impl']:<19} N={row['seq']:<6} D={row['head_dim']:<4}"
+    cells = []
+    for name in ("forward", "forward_backward"):
+        r = row[name]
+        if "ms" in r:
+            pct = "" if r["peak_pct"] is None else f" {r['peak_pct']:5.1f}%"
+            cells.append(f"{name}: {r['ms']:9.3f} ms [{r['ms_min']:.3f}-{r['ms_max']:.3f}] "
+                         f"{r['tflops']:7.3g} TFLOP/s{pct}")
+        else:
+            kind = next(iter(r))
+            cells.append(f"{name}: {kind}: {r[kind][:60]}")
+    return head + " | " + " | ".join(cells)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m experiments.device_benchmark", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), default="quick", help="the grid (default: quick)")
-    p.add_argument("--smoke", action="store_true", help="the same as --preset smoke: seconds, the only preset on CPU")
+    p.add_argument("--preset", choices=sorted([*PRESETS, "flex"]), default=None, help="the grid (default: quick)")
+    p.add_argument("--smoke", action="store_true",
+                   help="one tiny size, seconds, the only thing run on CPU: --preset smoke, or with --preset flex "
+                        "every flex case")
     p.add_argument("--budget", type=float, default=None, help="stop after this many seconds (default: the preset's)")
     p.add_argument("--out", default=None, help="JSON path (default results/device_benchmark_PRESET.json)")
     p.add_argument("--figure", default=None, help="PNG path (default: the JSON path with .png)")
     args = p.parse_args(argv)
-    preset = "smoke" if args.smoke else args.preset
-    grid = PRESETS[preset]
+    preset = ("flex_smoke" if args.preset == "flex" else "smoke") if args.smoke else args.preset or "quick"
+    flex = preset in FLEX_PRESETS
+    grid = FLEX_PRESETS[preset] if flex else PRESETS[preset]
     budget = grid.budget if args.budget is None else args.budget
     if budget is not None and budget < 0:
         p.error(f"--budget must be >= 0 seconds, got {budget:g}")
     platform = _dispatch.platform()
-    if platform == "cpu" and preset != "smoke":
+    if platform == "cpu" and preset not in ("smoke", "flex_smoke"):
         p.error(f"on CPU only --smoke runs (--preset {preset} is for GPUs and TPUs)")
-    print(f"device: {jax.devices()[0].device_kind} ({platform}); "
-          f"implementations: {', '.join(implementations(platform, grid.dtype[0]))}")
-    result = run(grid, budget)
+    names = (list(dict.fromkeys(n for case in grid.cases for n in flex_implementations(case))) if flex
+             else implementations(platform, grid.dtype[0]))
+    print(f"device: {jax.devices()[0].device_kind} ({platform}); implementations: {', '.join(names)}")
+    result = run_flex(grid, budget) if flex else run(grid, budget)
     result["preset"] = preset
     out = Path(args.out or f"results/device_benchmark_{preset}.json")
     write_json(out, result)
@@ -324,7 +503,7 @@ def main(argv: list[str] | None = None) -> dict:
     if importlib.util.find_spec("matplotlib") is not None:
         use_agg_backend()
         figure = Path(args.figure or out.with_suffix(".png"))
-        save_figure(plot(result), figure)
+        save_figure((common_flex.plot if flex else plot)(result), figure)
         print(f"wrote {figure}")
     return result
 

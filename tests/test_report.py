@@ -172,3 +172,45 @@ def test_junit_report_becomes_a_device_tests_file(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         report.main(["--junit", str(xml), "-o", str(out)])
     assert exit_info.value.code == 2
+
+
+def _flex_row(impl, case, fwd, fwd_bwd):
+    cell = lambda ms: ms if isinstance(ms, dict) else dict(ms=ms, ms_min=0.9 * ms, ms_max=1.1 * ms, tflops=500.0 / ms,
+                                                           peak_pct=50.0 / ms)
+    return dict(case=case, impl=impl, batch=2, heads=3, seq=256, head_dim=64, dtype="bfloat16", visible_pairs=32896,
+                forward=cell(fwd), forward_backward=cell(fwd_bwd))
+
+
+def test_flex_benchmark_ratios_are_over_cudnn_plain_causal_and_refusals_are_grouped():
+    no_mod, oom = {"refused": "no score_mod"}, {"error": "OutOfMemory"}
+    rows = [_flex_row("jax_mha:pallas_gpu", "causal", 2.0, 4.0), _flex_row("jax_mha:blockwise", "causal", 10.0, 40.0),
+            _flex_row("jax.nn:cudnn", "causal", 1.0, 2.0), _flex_row("torch:flex", "causal", 1.5, 3.0),
+            _flex_row("jax_mha:pallas_gpu", "alibi", no_mod, no_mod), _flex_row("jax_mha:blockwise", "alibi", 12.0, 44.0),
+            _flex_row("torch:flex", "alibi", oom, oom)]
+    data = dict(kind="device_benchmark_flex", device="GPU X", peak_bf16_tflops=1000.0, stopped_early=True, torch="2.11",
+                cases={"causal": "plain", "alibi": "ALiBi"}, rows=rows,
+                grid=dict(batch=2, heads=3, dtype="bfloat16", repeats=3))
+    versus = report.render(data, "versus_cudnn")  # every case over the causal case's cuDNN call
+    assert "| causal | 256 | 64 | 2.00 / 2.00 | 10.00 / 20.00 | 1.50 / 1.50 |" in versus
+    assert "| alibi | 256 | 64 | – / – | 12.00 / 22.00 | – / – |" in versus
+    table = report.render(data, "table")
+    assert "stopped early by its budget" in table and "torch 2.11" in table
+    assert "| causal | 2.00 [1.80–2.20] / 4.00 [3.60–4.40] | 10.00 [9.00–11.00] / 40.00 [36.00–44.00] |" in table
+    assert "| alibi | refused / refused | 12.00 [10.80–13.20] / 44.00 [39.60–48.40] | error / error | – |" in table
+    tflops = report.render(data, "tflops")
+    assert "(% of the 1000 TFLOP/s" in tflops and "| causal | 256 | 64 | 32,896 | 125 (12 %) | 12 (1 %) |" in tflops
+    assert report.render(data, "refusals").splitlines() == ["- `jax_mha:pallas_gpu`, alibi: refused: no score_mod",
+                                                          "- `torch:flex`, alibi: error: OutOfMemory"]
+    with pytest.raises(ValueError, match="no block 'table_x'"):
+        report.render(data, "table_x")
+
+
+def test_composed_attention_page_is_generated_once_its_data_exists():
+    """No number before the flex run's data is committed; its blocks once it is."""
+    page = (report.PAGES / "composed_attention.md").read_text(encoding="utf-8")
+    markers = [f"<!-- report: device_benchmark_flex#{b} -->" for b in ("table", "tflops", "versus_cudnn", "refusals")]
+    if (report.DATA / "device_benchmark_flex.json").exists():
+        assert all(m in page for m in markers) and "Not measured yet" not in page
+    else:
+        assert "Not measured yet: run `python -m experiments.device_benchmark --preset flex` on a GPU." in page
+        assert not any(m in page for m in markers)
