@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 
 from jax_mha import _kernel_mods, _masking, _schedule
 from jax_mha._flash import Mod, trace_mod
+from jax_mha._pallas_common import kernel_segment_ids
 from jax_mha._softmax import online_step
 
 # The parts of a call (`jax_mha._path.PARTS`) the kernel expresses.
@@ -435,11 +436,11 @@ def attend(q, k, v, bad_kv, vis: _masking.Visibility, *, scale: float, q_block: 
     flat = lambda x: jnp.broadcast_to(x, batch + x.shape[-3:]).reshape((b,) + x.shape[-3:])
     qf, kf, vf = flat(q), flat(k), flat(v)
     h, n, s = qf.shape[1], qf.shape[2], kf.shape[2]
-    blocks = _Blocks(q_block, k_block)
-    (score_mod, score_consts), (mask_mod, mask_consts) = _trace(vis.score_mod, blocks, True), _trace(vis.mask_mod, blocks, False)
+    score_mod, score_consts = _trace(vis.score_mod, q_block, k_block, score=True)
+    mask_mod, mask_consts = _trace(vis.mask_mod, q_block, k_block, score=False)
     schedule = _schedule.build_schedule(vis, q_block, k_block)
-    cfg = _config(vis, batch, h, kf.shape[1], scale, blocks, interpret, backend, score_mod, mask_mod, score_consts,
-                  schedule.kv_count.shape[:2])
+    cfg = _config(vis, batch, h, kf.shape[1], scale, (q_block, k_block), interpret, backend, score_mod, mask_mod,
+                  score_consts, schedule.kv_count.shape[:2])
     pad = lambda x, size, axis, value=0: jnp.pad(x, [(0, size - x.shape[axis]) if a == axis else (0, 0)
                                                      for a in range(x.ndim)], constant_values=value)
     qf = pad(qf, cfg.n_pad, 2)
@@ -452,20 +453,15 @@ def attend(q, k, v, bad_kv, vis: _masking.Visibility, *, scale: float, q_block: 
     return unflat(out), unflat(lse), unflat(touched) > 0
 
 
-def _trace(mod, cfg_or_blocks, score: bool):
-    """`(Mod, consts)` of a mod traced for the kernel's tiles, or `(None, ())`."""
+def _trace(mod, bq: int, bk: int, score: bool):
+    """`(Mod, consts)` of a mod traced for the kernel's `(bq, bk)` tiles (the score
+    float32, b and h `(1, 1)`, q_idx `(bq, 1)`, kv_idx `(1, bk)`), or `(None, ())`."""
     if mod is None:
         return None, ()
-    bq, bk = cfg_or_blocks.q_block, cfg_or_blocks.k_block
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     idx = (i32(1, 1), i32(1, 1), i32(bq, 1), i32(1, bk))
     avals = ((jax.ShapeDtypeStruct((bq, bk), jnp.float32),) if score else ()) + idx
     return trace_mod(mod, *avals)
-
-
-class _Blocks(NamedTuple):
-    q_block: int
-    k_block: int
 
 
 def _config(vis, batch, h, kv_heads, scale, blocks, interpret, backend, score_mod, mask_mod, score_consts,
@@ -475,7 +471,7 @@ def _config(vis, batch, h, kv_heads, scale, blocks, interpret, backend, score_mo
         bias = lax.broadcast_to_rank(vis.bias, len(batch) + 3)
         bias_shape = (1 if all(d == 1 for d in bias.shape[:-3]) else math.prod(batch), bias.shape[-3])
     return Config(
-        n=vis.n, s=vis.s, q_block=blocks.q_block, k_block=blocks.k_block, batch=math.prod(batch), kv_heads=kv_heads,
+        n=vis.n, s=vis.s, q_block=blocks[0], k_block=blocks[1], batch=math.prod(batch), kv_heads=kv_heads,
         groups=h // kv_heads, scale=float(scale), is_causal=bool(vis.is_causal), window=vis.window,
         offset=int(vis.offset), start=int(vis.start), soft_cap=vis.logits_soft_cap, score_mod=score_mod,
         mask_mod=mask_mod, bias_shape=bias_shape, q_lengths=vis.q_lengths is not None,
@@ -502,13 +498,8 @@ def _lengths(vis, batch):
 
 
 def _ids(vis, batch, cfg: Config):
-    """int32 `(b, N_pad)` and `(b, S_pad)` segment ids, padding keys a never-matching id."""
+    """int32 `(b, N_pad)` and `(b, S_pad)` segment ids, padding keys a never-matching id
+    (`_pallas_common.kernel_segment_ids`), or `(None, None)`."""
     if not vis.segmented:
         return None, None
-    b = math.prod(batch)
-    q_ids = jnp.broadcast_to(vis.q_segment_ids[..., 0], batch + (1, vis.n)).reshape(b, vis.n).astype(jnp.int32)
-    kv_ids = jnp.broadcast_to(vis.kv_segment_ids[..., 0, :], batch + (1, vis.s)).reshape(b, vis.s).astype(jnp.int32)
-    never = jnp.minimum(jnp.min(q_ids, initial=0), jnp.min(kv_ids, initial=0)) - 1
-    q_ids = jnp.pad(q_ids, ((0, 0), (0, cfg.n_pad - vis.n)), constant_values=0)
-    kv_ids = jnp.concatenate([kv_ids, jnp.broadcast_to(never, (b, cfg.s_pad - vis.s))], axis=1)
-    return q_ids, kv_ids
+    return kernel_segment_ids(vis, batch, cfg.n_pad, cfg.s_pad)

@@ -158,24 +158,6 @@ def scatter_add(grad_refs, reads, cotangents, atomic: bool):
             ref[...] = ref[...].at[read.indices].add(ct) if read.indices else ref[...] + ct
 
 
-def gathers_only(mod) -> bool:
-    """Whether the mod uses every const only through elementwise indexing (what a
-    compiled kernel reads without loading the whole array)."""
-    uses = {}
-
-    def walk(jaxpr, lazy_vars):
-        for eqn in jaxpr.eqns:
-            name = eqn.primitive.name
-            lazy_in = [v for v in eqn.invars if not isinstance(v, Literal) and v in lazy_vars]
-            if not lazy_in:
-                continue
-            if name == "gather" and eqn.invars[0] in lazy_vars and len(lazy_in) == 1:
-                continue
-            uses[name] = True
-    walk(mod.jaxpr, set(mod.jaxpr.constvars))
-    return not uses
-
-
 def lane_indices(first, size: int, axis: int, length: int):
     """int32 `(size, 1)` (axis 0) or `(1, size)` (axis 1): positions `first + i`,
     clamped to `length - 1` so a padded tail never indexes past a mod's arrays."""
