@@ -119,14 +119,16 @@ def benchmark_versus_jax_nn(data: dict) -> str:
     for mask in dict.fromkeys(r["mask"] for r in data["rows"]):
         for n, d in _cases(data, mask):
             base = _row(data, "jax.nn:cudnn", mask, n, d)
-            cells = []
-            for impl in ours:
-                row = _row(data, impl, mask, n, d)
-                pair = [row[p]["ms"] / base[p]["ms"] if row and base and "ms" in row[p] and "ms" in base[p] else None
-                        for p in PASSES]
-                cells.append(" / ".join("–" if x is None else f"{x:.2f}" for x in pair))
+            cells = [_ratio_cell(_row(data, impl, mask, n, d), base) for impl in ours]
             lines.append(f"| {mask} | {n} | {d} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _ratio_cell(row, base) -> str:
+    """`"forward / forward+backward"` time of `row` over `base` ("–" where either lacks one)."""
+    pair = [row[p]["ms"] / base[p]["ms"] if row and base and "ms" in row[p] and "ms" in base[p] else None
+            for p in PASSES]
+    return " / ".join("–" if x is None else f"{x:.2f}" for x in pair)
 
 
 def _flex_sizes(data: dict) -> list[tuple[int, int]]:
@@ -205,12 +207,7 @@ def flex_versus_cudnn(data: dict) -> str:
     for n, d in _flex_sizes(data):
         base = _flex_row(data, "jax.nn:cudnn", "causal", n, d)
         for case in data["cases"]:
-            cells = []
-            for impl in columns:
-                row = _flex_row(data, impl, case, n, d)
-                pair = [row[p]["ms"] / base[p]["ms"] if row and base and "ms" in row[p] and "ms" in base[p] else None
-                        for p in PASSES]
-                cells.append(" / ".join("–" if x is None else f"{x:.2f}" for x in pair))
+            cells = [_ratio_cell(_flex_row(data, impl, case, n, d), base) for impl in columns]
             lines.append(f"| {case} | {n} | {d} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -1,7 +1,8 @@
 """The kernels compiled for real on their own accelerator (no interpret mode) against
 the float64 reference: cudnn and pallas_gpu on a GPU, pallas_tpu on a TPU, and
-`"auto"`, forward and gradients, for causal, windows (TPU; cuDNN's left window), packed
-segment ids, GQA and N != S. Marked `device`: the default run deselects them
+`"auto"`, forward and gradients, for causal, windows, packed segment ids, GQA and
+N != S; and the library's GPU kernel with every composed feature of tests/test_flex.py
+(mods over captured values, bias, soft cap, sinks, lengths, the log-sum-exp). Marked `device`: the default run deselects them
 (pyproject.toml) and off their platform they skip; on a GPU or TPU run
 `pytest -m device`.
 
@@ -48,7 +49,7 @@ CASES = {
 # (platform, path, dtypes, cases): each kernel for what it expresses on its device.
 MATRIX = [
     ("gpu", "cudnn", ("bfloat16",), ("causal", "segments", "n_lt_s", "n_gt_s", "left_window", "both_window")),
-    ("gpu", "pallas_gpu", ("bfloat16", "float32"), ("causal", "segments", "n_lt_s", "n_gt_s")),
+    ("gpu", "pallas_gpu", ("bfloat16", "float32"), tuple(CASES)),
     ("tpu", "pallas_tpu", ("bfloat16", "float32"), tuple(CASES)),
 ]
 CELLS = [(platform, path, dtype, case) for platform, path, dtypes, cases in MATRIX for dtype in dtypes for case in cases]
@@ -129,3 +130,42 @@ def test_auto_lowers_to_the_kernel_it_picks(platform, dtype, expected):
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
     calls = sorted(set(re.findall(r"custom_call @([\w$.]+)", text)))
     assert any(c.startswith(TARGETS[expected]) for c in calls), f"'auto' lowered with custom calls {calls}"
+
+
+@pytest.mark.parametrize("feature", ["alibi", "bias", "documents", "lengths_window", "prefix_lm", "segments", "sinks",
+                                     "soft_cap", "table", "window"])
+def test_library_kernel_composes_on_a_gpu(feature):
+    """The library's kernel compiled for the GPU, each composed feature of
+    tests/test_flex.py (values and gradients of q, k, v and the captured floating
+    values, float32 inputs) against float64, relative to the largest reference value."""
+    if PLATFORM != "gpu":
+        pytest.skip(f"the library's GPU kernel compiles for a GPU; this backend is {jax.default_backend()}")
+    from test_flex import FEATURES, _loss
+    from test_flex import _inputs as flex_inputs
+
+    make, values = FEATURES[feature]
+    q, k, v = flex_inputs()
+    w = np.random.default_rng(2).standard_normal(q.shape).astype(np.float32)
+
+    def ours(q, k, v, vals):
+        kw, _ = make(vals)
+        out, lse = attention(q, k, v, implementation="pallas_gpu", return_residual=True, **kw)
+        return _loss(out, lse, w), (out, lse)
+
+    def reference(q, k, v, vals):
+        _, ref = make(vals)
+        out, lse = jax_reference(q, k, v, return_lse=True, **{n: jnp.asarray(x) for n, x in ref.items()})
+        return _loss(out, lse, w), (out, lse)
+
+    f32 = {n: jnp.asarray(x, jnp.float32) for n, x in values.items()}
+    (_, got), grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, f32)
+    with x64(), jax.default_device(jax.devices("cpu")[0]):
+        f64 = {n: jnp.asarray(x, jnp.float64) for n, x in values.items()}
+        (_, want), want_grads = jax.value_and_grad(reference, argnums=(0, 1, 2, 3), has_aux=True)(
+            *(jnp.asarray(x, jnp.float64) for x in (q, k, v)), f64)
+    for got_x, ref_x in zip(jax.tree.leaves((got, grads)), jax.tree.leaves((want, want_grads))):
+        got_x, ref_x = np.asarray(got_x, np.float64), np.asarray(ref_x)
+        finite = np.isfinite(ref_x)
+        assert np.array_equal(np.isfinite(got_x), finite), feature
+        err = np.max(np.abs(got_x[finite] - ref_x[finite])) / max(np.max(np.abs(ref_x[finite])), 1e-30)
+        assert err <= TOL["float32"], f"{feature}: relative error {err:.2e} > {TOL['float32']}"
