@@ -8,7 +8,7 @@ blockwise engine's.
     python -m experiments.pallas_gpu_blocks     # a GPU only; about a minute on an H200
 
 Writes `results/pallas_gpu_blocks.json` (atomic), naming the device; the pair the
-library uses is `_pallas_gpu.BLOCK` (not yet chosen from a sweep on a GPU:
+library uses is `_flex.BLOCK` (not yet chosen from a sweep on a GPU:
 docs/results/gpu_kernels.md, section 4).
 """
 

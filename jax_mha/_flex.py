@@ -39,6 +39,8 @@ from jax_mha._flash import Mod, trace_mod
 from jax_mha._pallas_common import kernel_segment_ids
 from jax_mha._softmax import online_step
 
+BLOCK = 64  # queries and keys per block
+MIN_BLOCK = 16  # the smallest tile Triton's tl.dot takes
 # The parts of a call (`jax_mha._path.PARTS`) the kernel expresses.
 TAKES = frozenset({"bias", "score_mod", "mask_mod", "logits_soft_cap", "sinks", "window", "kv_lengths", "q_lengths",
                    "segment_ids", "query_offset", "return_residual"})
@@ -438,7 +440,8 @@ def attend(q, k, v, bad_kv, vis: _masking.Visibility, *, scale: float, q_block: 
     h, n, s = qf.shape[1], qf.shape[2], kf.shape[2]
     score_mod, score_consts = _trace(vis.score_mod, q_block, k_block, score=True)
     mask_mod, mask_consts = _trace(vis.mask_mod, q_block, k_block, score=False)
-    schedule = _schedule.build_schedule(vis, q_block, k_block)
+    schedule = vis.schedule if fits(vis.schedule, vis, b, h, q_block, k_block) else (
+        _schedule.build_schedule(vis, q_block, k_block))
     cfg = _config(vis, batch, h, kf.shape[1], scale, (q_block, k_block), interpret, backend, score_mod, mask_mod,
                   score_consts, schedule.kv_count.shape[:2])
     pad = lambda x, size, axis, value=0: jnp.pad(x, [(0, size - x.shape[axis]) if a == axis else (0, 0)
@@ -451,6 +454,23 @@ def attend(q, k, v, bad_kv, vis: _masking.Visibility, *, scale: float, q_block: 
     out, lse, touched = _attend(cfg, qf, kf, vf, x)
     unflat = lambda y: y[:, :, :n].reshape(batch + y.shape[1:2] + (n,) + y.shape[3:])
     return unflat(out), unflat(lse), unflat(touched) > 0
+
+
+def blocks(n: int, s: int) -> tuple[int, int]:
+    """`(q_block, k_block)`: `BLOCK` queries by `BLOCK` keys, or a sequence's own length
+    rounded up to a power of two (at least 16: Triton's smallest dot tile) when shorter."""
+    pow2 = lambda x: max(MIN_BLOCK, 1 << max(int(x) - 1, 0).bit_length())
+    return min(BLOCK, pow2(n)), min(BLOCK, pow2(s))
+
+
+def fits(schedule, vis: _masking.Visibility, batch: int, heads: int, q_block: int, k_block: int) -> bool:
+    """Whether a given `block_schedule` serves this call: the same lengths and blocks,
+    and a batch and head count it covers (else the kernel builds its own)."""
+    if schedule is None:
+        return False
+    bs, hs = schedule.kv_count.shape[:2]
+    return ((schedule.n, schedule.s, schedule.q_block, schedule.k_block) == (vis.n, vis.s, q_block, k_block)
+            and bs in (1, batch) and hs in (1, heads))
 
 
 def _trace(mod, bq: int, bk: int, score: bool):

@@ -56,7 +56,7 @@ _STATIC = ("n", "s", "is_causal", "window", "score_mod", "mask_mod", "logits_sof
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["mask", "bias", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids", "q_offset",
-                 "q_start", "sinks"],
+                 "q_start", "sinks", "schedule"],
     meta_fields=list(_STATIC),
 )
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +93,9 @@ class Visibility:
       segments_shared: the keys' segment ids are the queries' own array (given once,
         for self-attention): a kernel that reads one id array for both may take them
         even when they are traced.
+      schedule: a `jax_mha.block_schedule` built once for this pattern and passed to
+        every layer (the library's kernel reads it instead of building its own when its
+        blocks fit), or None.
     """
 
     n: int
@@ -115,6 +118,7 @@ class Visibility:
     batch_shape: tuple = ()
     num_heads: int = 1
     segments_shared: bool = False
+    schedule: object = None
 
     @property
     def offset(self):

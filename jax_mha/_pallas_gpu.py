@@ -7,9 +7,9 @@ any static query offset, q/kv lengths, segment ids (queries' and keys' apart, tr
 or not), `score_mod` and `mask_mod` (traced into the kernel on index tiles; what they
 close over is read where they index it), an additive bias (with its gradient), the
 logit soft cap, sinks (merged from the kernel's log-sum-exp) and `return_residual`.
-GQA is native. Blocks: `BLOCK` queries by `BLOCK` keys (fewer for short sequences:
-Triton's tiles are powers of two, at least 16); N and S are padded to whole blocks
-inside, never to a power of two.
+GQA is native. Blocks: `_flex.blocks` (64 queries by 64 keys, fewer for short
+sequences: Triton's tiles are powers of two, at least 16); N and S are padded to whole
+blocks inside, never to a power of two.
 
 Refused (the path's refusal, one line naming the part; one-query decoding steps under
 jit go to its decode kernel, `_pallas_gpu_decode`): a dense mask (give it as
@@ -34,8 +34,7 @@ from jax_mha._path import Path, fallback
 from jax_mha._softmax import with_sinks
 
 NAME = "implementation='pallas_gpu'"
-BLOCK = 64  # queries and keys per block
-MIN_BLOCK = 16  # the smallest tile Triton's tl.dot takes
+MIN_BLOCK = _flex.MIN_BLOCK
 MAX_HEAD_DIM = 256
 
 
@@ -53,10 +52,8 @@ def limits(vis: _masking.Visibility, call: _masking.Call) -> str | None:
     return None
 
 
-def blocks(n: int, s: int) -> tuple[int, int]:
-    """`(q_block, k_block)`: `BLOCK`, or the sequence's own length rounded up to a
-    power of two when shorter."""
-    return min(BLOCK, next_pow2(n, MIN_BLOCK)), min(BLOCK, next_pow2(s, MIN_BLOCK))
+# The kernel's blocks, `_flex.blocks` (`experiments/pallas_gpu_blocks.py` sweeps others).
+blocks = _flex.blocks
 
 
 def run(q, k, v, bad_kv, vis: _masking.Visibility, call: _masking.Call, *, scale: float, **_):

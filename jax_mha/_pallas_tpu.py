@@ -71,8 +71,6 @@ NAME = "implementation='pallas_tpu'"
 # TPU tile, so short sequences use their own length rounded up to 128.
 DEFAULT_BLOCK = 512
 MIN_BLOCK = 128
-# The library's own kernel's blocks (interpret mode: any size crosses tiles the same way).
-OWN_BLOCK = 32
 # The fused backward keeps one partial dq `(H, N, D)` per key block: up to this many.
 FUSED_BWD_MAX_KV_BLOCKS = 4
 
@@ -315,8 +313,9 @@ def _run(q, k, v, bad_kv, vis: _masking.Visibility, call: _masking.Call, *, scal
     """Splash for what it takes, else the library's own kernel (interpret mode)."""
     if not _own_kernel(vis, call):
         return _splash(q, k, v, bad_kv, vis, call, scale=scale, **options)
+    q_block, k_block = _flex.blocks(vis.n, vis.s)
     with jax.numpy_dtype_promotion("standard"):
-        out, lse, touched = _flex.attend(q, k, v, bad_kv, vis, scale=scale, q_block=OWN_BLOCK, k_block=OWN_BLOCK,
+        out, lse, touched = _flex.attend(q, k, v, bad_kv, vis, scale=scale, q_block=q_block, k_block=k_block,
                                          interpret=call.platform == "cpu", backend="mosaic")
     empty = lse == -jnp.inf
     out, lse = with_sinks(out.astype(_masking.compute_dtype(q.dtype)), lse, vis.sinks)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mha import _masking
+from jax_mha._schedule import BlockSchedule
 
 EMPTY_ROWS = ("zero", "uniform")
 LAYOUTS = ("BHND", "BNHD")
@@ -243,6 +244,22 @@ def check_offset(name: str, x):
     return x
 
 
+def check_schedule(schedule, n: int, s: int):
+    """A `block_schedule` built for N queries and S keys, or None.
+
+    Raises:
+      TypeError: for anything but a `jax_mha.block_schedule` result.
+      ValueError: for one built for other lengths.
+    """
+    if schedule is None:
+        return None
+    if not isinstance(schedule, BlockSchedule):
+        raise TypeError(f"block_schedule must be the result of jax_mha.block_schedule, got {type(schedule).__name__}")
+    if (schedule.n, schedule.s) != (n, s):
+        raise ValueError(f"block_schedule was built for N={schedule.n}, S={schedule.s}; this call has N={n}, S={s}")
+    return schedule
+
+
 def check_sinks(sinks, num_heads: int):
     """Attention sinks: None, or float `(H,)`, one logit per query head.
 
@@ -268,7 +285,7 @@ def check_sinks(sinks, num_heads: int):
 
 def describe(q, k, v, mask=None, bias=None, *, is_causal=False, local_window_size=None, q_lengths=None,
              kv_lengths=None, q_segment_ids=None, kv_segment_ids=None, score_mod=None, mask_mod=None,
-             logits_soft_cap=None, sinks=None, q_offset=None, q_start=None) -> _masking.Visibility:
+             logits_soft_cap=None, sinks=None, q_offset=None, q_start=None, block_schedule=None) -> _masking.Visibility:
     """Every argument of `attention` that says who may attend, validated, as the one
     description (`_masking.Visibility`) every path reads.
 
@@ -300,4 +317,5 @@ def describe(q, k, v, mask=None, bias=None, *, is_causal=False, local_window_siz
         q_start=check_offset("q_start", q_start), sinks=check_sinks(sinks, q.shape[-3]), score_mod=score_mod, mask_mod=mask_mod, logits_soft_cap=cap,
         batch_shape=tuple(batch), num_heads=q.shape[-3],
         segments_shared=q_segment_ids is not None and (kv_segment_ids is None or kv_segment_ids is q_segment_ids),
+        schedule=check_schedule(block_schedule, n, s),
     )

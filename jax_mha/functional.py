@@ -34,7 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_mha import _dispatch, _masking
+from jax_mha import _dispatch, _flex, _masking, _schedule
 from jax_mha._dispatch import IMPLEMENTATIONS, WHOLE_SCORES_MAX_BYTES, whole_scores_fit
 from jax_mha._statistics import attention_statistics
 from jax_mha._validate import (
@@ -243,6 +243,7 @@ def attention(
     mask_mod=None,
     logits_soft_cap: float | None = None,
     sinks: jax.Array | None = None,
+    block_schedule=None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     deterministic: bool = True,
@@ -286,6 +287,9 @@ def attention(
       logits_soft_cap: a static `c > 0`: logits become `c · tanh(logits / c)`. Default None.
       sinks: float `(H,)`: per query head, the logit of a virtual key of value zero.
         Default None.
+      block_schedule: `block_schedule(...)` of this call's pattern, built once and given
+        to every layer (FlexAttention's block mask), read by the library's kernel; it
+        must describe the same pattern. Default None: the kernel builds its own.
       dropout_rate: dropout on the weights, when `deterministic=False`. Default 0.0.
       dropout_rng: the dropout's PRNG key, needed when dropout is on. Default None.
       deterministic: disables dropout. Default True.
@@ -315,7 +319,7 @@ def attention(
     vis = describe(q, k, v, mask, bias, is_causal=is_causal, local_window_size=local_window_size,
                    q_lengths=q_lengths, kv_lengths=kv_lengths, q_segment_ids=q_segment_ids,
                    kv_segment_ids=kv_segment_ids, score_mod=score_mod, mask_mod=mask_mod,
-                   logits_soft_cap=logits_soft_cap, sinks=sinks)
+                   logits_soft_cap=logits_soft_cap, sinks=sinks, block_schedule=block_schedule)
     result = attention_from_description(
         q, k, v, vis, scale=scale, empty_rows=empty_rows, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
         deterministic=deterministic, return_weights=return_weights, return_residual=return_residual,
@@ -326,6 +330,33 @@ def attention(
     if return_weights or return_residual:
         return (jnp.swapaxes(result[0], -3, -2), *result[1:])
     return jnp.swapaxes(result, -3, -2)
+
+
+def block_schedule(q, k, *, is_causal: bool = False, local_window_size=None, q_lengths=None, kv_lengths=None,
+                   q_segment_ids=None, kv_segment_ids=None, mask_mod=None):
+    """The library kernel's block schedule of one pattern, built once and passed to
+    every layer's `attention(..., block_schedule=...)` (PyTorch FlexAttention's
+    `create_block_mask`): per query block, the key blocks that hold a visible pair and
+    which of them are fully visible, from causality, the window, lengths, segment ids
+    and `mask_mod` (evaluated one query block at a time, never an N × S array).
+
+    Args:
+      q: `(B…, H, N, D)`, k: `(B…, K, S, D)`: arrays or `jax.ShapeDtypeStruct`s (only
+        their shapes and dtypes are read).
+      is_causal, local_window_size, q_lengths, kv_lengths, q_segment_ids,
+        kv_segment_ids, mask_mod: as for `attention`; the call that reads the schedule
+        must give the same (a schedule of another pattern gives wrong rows, as a block
+        mask does in FlexAttention).
+
+    Returns:
+      A `BlockSchedule` (a pytree of int32 arrays: it passes through jit, scan and remat).
+      A path other than the library's kernel ignores it; the kernel builds its own when
+      the blocks, batch or heads do not fit.
+    """
+    vis = describe(q, k, k, is_causal=is_causal, local_window_size=local_window_size, q_lengths=q_lengths,
+                   kv_lengths=kv_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                   mask_mod=mask_mod)
+    return _schedule.build_schedule(vis, *_flex.blocks(vis.n, vis.s))
 
 
 def _block_sizes(query_block_size, key_block_size) -> tuple[int | None, int | None]:

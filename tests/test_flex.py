@@ -6,6 +6,7 @@ The lowering for CUDA of the same calls is in tests/test_lowering.py."""
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,3 +131,42 @@ def test_half_precision_gradients_stay_within_the_reference_error_at_sharp_logit
         base_err = np.max(np.abs(np.asarray(b, np.float64) - e))
         eps = float(jnp.finfo(dtype).eps)
         assert err <= 2 * base_err + 4 * eps * np.max(np.abs(e)), (name, err, base_err)
+
+
+def test_a_schedule_built_once_serves_every_layer(monkeypatch):
+    """`jax_mha.block_schedule` built once (from shape structs) and given to two layers:
+    the same values as each layer building its own, and no layer builds one."""
+    import jax_mha
+    from jax_mha import _schedule
+
+    q, k, _ = (jnp.asarray(x) for x in _inputs())
+    docs = jnp.asarray(np.sort(np.random.default_rng(4).integers(0, 4, (B, S)), axis=-1))
+    mask_mod = lambda b, h, i, j: docs[b, i + OFFSET] == docs[b, j]
+    schedule = jax_mha.block_schedule(jax.ShapeDtypeStruct(q.shape, q.dtype), k, is_causal=True, mask_mod=mask_mod)
+
+    def layers(q, k, schedule):
+        x = q
+        for _ in range(2):
+            x = attention(x, k, k, is_causal=True, mask_mod=mask_mod, implementation="pallas_gpu",
+                          block_schedule=schedule)
+        return x
+
+    built = []
+    original = _schedule.build_schedule
+    monkeypatch.setattr(_schedule, "build_schedule", lambda *a, **kw: built.append(1) or original(*a, **kw))
+    shared = jax.jit(layers)(q, k, schedule)
+    assert not built  # every layer read the one given
+    own = jax.jit(lambda q, k: layers(q, k, None))(q, k)
+    assert built
+    chex.assert_trees_all_close(shared, own, atol=1e-6)
+
+
+def test_a_schedule_of_other_lengths_or_not_a_schedule_is_refused():
+    import jax_mha
+
+    q, k, v = (jnp.asarray(x) for x in _inputs())
+    schedule = jax_mha.block_schedule(q[..., :50, :], k, is_causal=True)
+    with pytest.raises(ValueError, match="built for N=50, S=131; this call has N=97, S=131"):
+        attention(q, k, v, is_causal=True, block_schedule=schedule)
+    with pytest.raises(TypeError, match="block_schedule must be the result of jax_mha.block_schedule, got dict"):
+        attention(q, k, v, block_schedule={})
