@@ -60,7 +60,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from jax_mha._linear import linear_call
 from jax_mha._masking import Visibility, Window, block_allowed, compute_dtype, key_block_range, key_range, score_logits
-from jax_mha._softmax import online_step
+from jax_mha._softmax import logits_grad, online_step, output_delta
 
 _SCORES = "bkqd,bkcd->bkqc"  # q kᵀ per block (also dq kᵀ, q dkᵀ, g vᵀ)
 _MIX = "bkqc,bkcd->bkqd"  # p v per block (also a v, p dv, dS k)
@@ -750,9 +750,7 @@ def _grad_block(plan: Plan, a: Arrays, q_i, k_j, v_j, ct: Cotangents, g, i0, j0,
     row = (lambda x: x[..., None, :]) if transposed else (lambda x: x[..., None])
     p = jnp.exp(s - row(ct.lse))  # 0 where masked or the row is empty
     dp = jnp.einsum(_SCORES, v_j, ct.g) if transposed else jnp.einsum(_SCORES, ct.g, v_j)
-    ds = p * (dp - row(ct.delta))
-    if allowed is not None:
-        ds = jnp.where(allowed, ds, 0.0)  # select, never 0·NaN
+    ds = logits_grad(p, dp, row(ct.delta))
     if pull is None:
         return p, ds, ()
     ds, *d_consts = pull(ds)
@@ -922,7 +920,7 @@ def _backward(plan: Plan, a: Arrays, out, lse, g_out, g_lse, live: tuple) -> lis
     q, bias or score_mod's constants need one, the dk/dv pass when k or v do."""
     f = _F(plan)
     g_out = g_out.astype(f)
-    cts = Cotangents(g_out, jnp.sum(g_out * out, axis=-1) - g_lse.astype(f), lse)
+    cts = Cotangents(g_out, output_delta(g_out, out, g_lse.astype(f)), lse)
     wants = frozenset(x for x in live if isinstance(x, str))
     dq = d_consts = dbias = dk = dv = None
     if wants & {"q", "bias"} or any(isinstance(x, int) for x in live):

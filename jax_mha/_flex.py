@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax_mha import _kernel_mods, _masking, _schedule
 from jax_mha._flash import Mod, trace_mod
 from jax_mha._pallas_common import kernel_segment_ids
-from jax_mha._softmax import online_step
+from jax_mha._softmax import logits_grad, online_step, output_delta
 
 BLOCK = 64  # queries and keys per block
 MIN_BLOCK = 16  # the smallest tile Triton's tl.dot takes
@@ -229,7 +229,7 @@ def _backward_tile(cfg: Config, r, q, k, v, g, lse, delta, t: _Tile, full, with_
     s0, s1, s, reads = _logits(cfg, r, q, k, t, full)
     p = jnp.exp(s - jnp.where(lse == -jnp.inf, jnp.inf, lse)[:, None])
     dp = lax.dot_general(g, v, _NT, preferred_element_type=jnp.float32)
-    ds = p * (dp - delta[:, None])  # the gradient of the capped logits
+    ds = logits_grad(p, dp, delta[:, None])  # the gradient of the capped logits
     if cfg.soft_cap is not None:
         ds = ds * (1.0 - jnp.square(jnp.tanh(s1 / cfg.soft_cap)))
     if cfg.score_mod is None:
@@ -385,7 +385,7 @@ def _attend_fwd(cfg: Config, q, k, v, x: Inputs):
 def _attend_bwd(cfg: Config, saved, cotangents):
     q, k, v, x, out, lse = saved
     g, g_lse, _ = cotangents
-    delta = jnp.sum(g.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - g_lse
+    delta = output_delta(g.astype(jnp.float32), out.astype(jnp.float32), g_lse)
     inputs = _flat_inputs(q, k, v, x) + [g.astype(q.dtype), lse, delta]
     dq, dbias, dconsts = _dq(cfg, q, inputs, x)
     dk, dv = _dkv(cfg, k, v, inputs)

@@ -2,7 +2,9 @@
 
 - `online_step`: one block of scores folded into a row's running maximum and
   normaliser (the online softmax of FlashAttention), called by the blockwise engine
-  (`_flash`), ring attention (`ring`) and the statistics (`_statistics`).
+  (`_flash`), the library's kernel (`_flex`), ring attention (`ring`) and the
+  statistics (`_statistics`); `output_delta` and `logits_grad`, its backward (the
+  same three).
 - `with_sinks` / `add_sink`: attention over the real keys merged with each head's sink,
   a key of logit `sinks[h]` and value zero (`merge_attentions` with a zero part).
 - `sanitize` before any path and `finish` / `finish_lse` after it: non-finite inputs
@@ -35,6 +37,20 @@ def online_step(m, l, s):
     p = jnp.exp(s - m_safe[..., None])
     correction = jnp.exp(m - m_safe)
     return m_new, l * correction + jnp.sum(p, axis=-1), p, correction
+
+
+def output_delta(g, out, g_lse):
+    """`Δ = rowsum(g ⊙ out) - g_lse` `(…, rows)`: what every logit of a row gives back
+    through the softmax in the backward (FlashAttention-2's D), from the output's
+    cotangent `g (…, rows, Dv)`, the output and the log-sum-exp's cotangent."""
+    return jnp.sum(g * out, axis=-1) - g_lse
+
+
+def logits_grad(p, dp, delta):
+    """The gradient of one block's logits, `dS = P ⊙ (dP - Δ)`: `p` the weights (0
+    where masked), `dp = g vᵀ`, `delta` broadcast to the block. Selected, not
+    multiplied, where `p` is 0, so a non-finite `dp` there never becomes NaN."""
+    return jnp.where(p > 0, p * (dp - delta), 0.0)
 
 
 def with_sinks(out, lse, sinks):

@@ -251,9 +251,8 @@ def _tile_grads(ring: _Ring, a: _Arrays, vis: Visibility, dev: _Device, carry, t
         s = s.reshape(lse.shape + s.shape[-1:])  # (B, K, G, c, c)
         p = jnp.exp(s - lse[..., None])
         dv = dv + jnp.einsum("bkgns,bkgnd->bksd", p, do)
-        ds = p * (jnp.einsum("bkgnd,bksd->bkgns", do, f(tile.v)) - delta[..., None])  # d logits
+        ds = _softmax.logits_grad(p, jnp.einsum("bkgnd,bksd->bkgns", do, f(tile.v)), delta[..., None])
         if pullback is not None:
-            ds = jnp.where(s == -jnp.inf, 0.0, ds)  # a mod's derivative at a masked logit never meets p = 0
             dx, *d_consts = pullback(ds.reshape(x.shape))
             ds = dx.reshape(ds.shape)
             d_floats = tuple(acc + d.astype(acc.dtype) for acc, d in zip(d_floats, d_consts))
@@ -396,7 +395,7 @@ def _backward(ring: _Ring, a: _Arrays, out, lse, d_out, d_lse):
     kh = a.k.shape[1]
     grouped = lambda x: x.astype(_F(ring)).reshape((b, kh, h // kh) + x.shape[2:])  # (B, H, …) → (B, K, G, …)
     d_out = grouped(d_out)
-    delta = (d_out * grouped(out)).sum(-1) - grouped(d_lse)  # rowsum(dO ∘ O) - d lse
+    delta = _softmax.output_delta(d_out, grouped(out), grouped(d_lse))
     lse = grouped(lse)
     lse = jnp.where(jnp.isfinite(lse), lse, jnp.inf)  # rows that saw no key: p = 0
     queries = (_chunks(grouped(a.q), c, 3), _chunks(d_out, c, 3), _chunks(delta, c, 3), _chunks(lse, c, 3),
