@@ -36,14 +36,14 @@ from jax.experimental import pallas as pl
 
 from jax_mha import _kernel_mods, _masking, _schedule
 from jax_mha._flash import Mod, trace_mod
-from jax_mha._pallas_common import kernel_segment_ids
+from jax_mha._pallas_common import kernel_segment_ids, static_int
 from jax_mha._softmax import logits_grad, online_step, output_delta
 
 BLOCK = 64  # queries and keys per block
 MIN_BLOCK = 16  # the smallest tile Triton's tl.dot takes
 # The parts of a call (`jax_mha._path.PARTS`) the kernel expresses.
 TAKES = frozenset({"bias", "score_mod", "mask_mod", "logits_soft_cap", "sinks", "window", "kv_lengths", "q_lengths",
-                   "segment_ids", "query_offset", "return_residual"})
+                   "segment_ids", "query_offset", "traced_offset", "return_residual"})
 _NT = (((1,), (1,)), ((), ()))  # a · bᵀ
 _TN = (((0,), (0,)), ((), ()))  # aᵀ · b
 
@@ -61,8 +61,8 @@ class Config(NamedTuple):
     scale: float
     is_causal: bool
     window: _masking.Window | None
-    offset: int
-    start: int
+    offset: int | None  # key position of query row 0; None: traced (the kernel reads `Inputs.pos`)
+    start: int | None  # the mods' q_idx of row 0; None: traced
     soft_cap: float | None
     score_mod: Mod | None
     mask_mod: Mod | None
@@ -89,9 +89,6 @@ class Config(NamedTuple):
     def s_pad(self) -> int:
         return -(-self.s // self.k_block) * self.k_block
 
-    @property
-    def pattern(self) -> _masking.Visibility:
-        return _masking.Visibility(self.n, self.s, self.is_causal, self.window, q_offset=self.offset)
 
 
 class Inputs(NamedTuple):
@@ -101,6 +98,7 @@ class Inputs(NamedTuple):
     bias: jax.Array | None  # (Bb, Hb, N_pad, S_pad)
     q_len: jax.Array | None  # int32 (b,)
     kv_len: jax.Array | None  # int32 (b,)
+    pos: jax.Array | None  # int32 (2,): the traced offset and start, when either is traced
     q_ids: jax.Array | None  # int32 (b, N_pad)
     kv_ids: jax.Array | None  # int32 (b, S_pad)
     schedule: _schedule.BlockSchedule
@@ -114,7 +112,7 @@ def _refs_of(cfg: Config, refs):
     take = lambda present: next(it) if present else None
     sched = tuple(next(it) for _ in range(6))
     out = dict(sched=sched, q=next(it), k=next(it), v=next(it), bad=next(it), bias=take(cfg.bias_shape is not None),
-               q_len=take(cfg.q_lengths), kv_len=take(cfg.kv_lengths), q_ids=take(cfg.segmented),
+               q_len=take(cfg.q_lengths), kv_len=take(cfg.kv_lengths), pos=take(_traced(cfg)), q_ids=take(cfg.segmented),
                kv_ids=take(cfg.segmented))
     out["score"] = tuple(next(it) for _ in range(0 if cfg.score_mod is None else len(cfg.score_mod.jaxpr.constvars)))
     out["mask"] = tuple(next(it) for _ in range(0 if cfg.mask_mod is None else len(cfg.mask_mod.jaxpr.constvars)))
@@ -124,8 +122,22 @@ def _refs_of(cfg: Config, refs):
 def _flat_inputs(q, k, v, x: Inputs) -> list:
     sched = x.schedule
     parts = [sched.kv_count, sched.kv_index, sched.kv_full, sched.q_count, sched.q_index, sched.q_full, q, k, v,
-             x.bad, x.bias, x.q_len, x.kv_len, x.q_ids, x.kv_ids, *x.score_consts, *x.mask_consts]
+             x.bad, x.bias, x.q_len, x.kv_len, x.pos, x.q_ids, x.kv_ids, *x.score_consts, *x.mask_consts]
     return [p for p in parts if p is not None]
+
+
+def _traced(cfg: Config) -> bool:
+    return cfg.offset is None or cfg.start is None
+
+
+def _pattern(cfg: Config, r) -> _masking.Visibility:
+    """Causality and the window at the call's offset (static, or read in the kernel)."""
+    offset = r["pos"][0] if cfg.offset is None else cfg.offset
+    return _masking.Visibility(cfg.n, cfg.s, cfg.is_causal, cfg.window, q_offset=offset)
+
+
+def _start(cfg: Config, r):
+    return r["pos"][1] if cfg.start is None else cfg.start
 
 
 def _whole(x):
@@ -162,7 +174,7 @@ def _logits(cfg: Config, r, q, k, t: _Tile, full, given=None):
     heads = (jnp.full((1, 1), t.b, jnp.int32), jnp.full((1, 1), t.h, jnp.int32))
     s1, reads = s0, []
     if cfg.score_mod is not None:
-        s1, reads = _kernel_mods.evaluate(cfg.score_mod, r["score"], (s0, *heads, rows + cfg.start, cols), given)
+        s1, reads = _kernel_mods.evaluate(cfg.score_mod, r["score"], (s0, *heads, rows + _start(cfg, r), cols), given)
         s1 = s1.astype(jnp.float32)
     s2 = _masking.soft_cap(s1, cfg.soft_cap)
     masked = lax.cond(full != 0, lambda: s2, lambda: jnp.where(_visible(cfg, r, t, heads, rows, cols), s2, -jnp.inf))
@@ -175,7 +187,7 @@ def _visible(cfg: Config, r, t: _Tile, heads, rows, cols):
     raw_rows = t.i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
     raw_cols = t.j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
     ok = jnp.broadcast_to(raw_cols < cfg.s, (bq, bk))
-    pattern = _masking.positional(cfg.pattern, raw_rows, raw_cols)
+    pattern = _masking.positional(_pattern(cfg, r), raw_rows, raw_cols)
     if pattern is not None:
         ok = ok & pattern
     if r["q_len"] is not None:
@@ -187,7 +199,7 @@ def _visible(cfg: Config, r, t: _Tile, heads, rows, cols):
         kv_ids = r["kv_ids"][t.b, pl.ds(t.j * bk, bk)][None, :]
         ok = ok & (q_ids == kv_ids)
     if cfg.mask_mod is not None:
-        allowed, _ = _kernel_mods.evaluate(cfg.mask_mod, r["mask"], (*heads, rows + cfg.start, cols))
+        allowed, _ = _kernel_mods.evaluate(cfg.mask_mod, r["mask"], (*heads, rows + _start(cfg, r), cols))
         ok = ok & allowed
     return ok
 
@@ -240,7 +252,7 @@ def _backward_tile(cfg: Config, r, q, k, v, g, lse, delta, t: _Tile, full, with_
     values = tuple(read.values for read in reads)
 
     def mod(s0, *values):
-        out, _ = _kernel_mods.evaluate(cfg.score_mod, r["score"], (s0, *heads, rows + cfg.start, cols), values)
+        out, _ = _kernel_mods.evaluate(cfg.score_mod, r["score"], (s0, *heads, rows + _start(cfg, r), cols), values)
         return out.astype(jnp.float32)
 
     if not with_reads:
@@ -389,7 +401,7 @@ def _attend_bwd(cfg: Config, saved, cotangents):
     inputs = _flat_inputs(q, k, v, x) + [g.astype(q.dtype), lse, delta]
     dq, dbias, dconsts = _dq(cfg, q, inputs, x)
     dk, dv = _dkv(cfg, k, v, inputs)
-    d_inputs = Inputs(None, dbias, None, None, None, None, None, dconsts, tuple(None for _ in x.mask_consts))
+    d_inputs = Inputs(None, dbias, None, None, None, None, None, None, dconsts, tuple(None for _ in x.mask_consts))
     return dq, dk, dv, d_inputs
 
 
@@ -449,7 +461,8 @@ def attend(q, k, v, bad_kv, vis: _masking.Visibility, *, scale: float, q_block: 
     qf = pad(qf, cfg.n_pad, 2)
     kf, vf = pad(kf, cfg.s_pad, 2), pad(vf, cfg.s_pad, 2)
     bad = pad(jnp.broadcast_to(bad_kv, batch + bad_kv.shape[-2:]).reshape(b, -1, s).astype(jnp.float32), cfg.s_pad, 2)
-    x = Inputs(bad, _bias(vis, cfg, batch), *_lengths(vis, batch), *_ids(vis, batch, cfg),
+    pos = jnp.stack([jnp.asarray(vis.offset, jnp.int32), jnp.asarray(vis.start, jnp.int32)]) if _traced(cfg) else None
+    x = Inputs(bad, _bias(vis, cfg, batch), *_lengths(vis, batch), pos, *_ids(vis, batch, cfg),
                schedule=schedule, score_consts=score_consts, mask_consts=mask_consts)
     out, lse, touched = _attend(cfg, qf, kf, vf, x)
     unflat = lambda y: y[:, :, :n].reshape(batch + y.shape[1:2] + (n,) + y.shape[3:])
@@ -493,7 +506,7 @@ def _config(vis, batch, h, kv_heads, scale, blocks, interpret, backend, score_mo
     return Config(
         n=vis.n, s=vis.s, q_block=blocks[0], k_block=blocks[1], batch=math.prod(batch), kv_heads=kv_heads,
         groups=h // kv_heads, scale=float(scale), is_causal=bool(vis.is_causal), window=vis.window,
-        offset=int(vis.offset), start=int(vis.start), soft_cap=vis.logits_soft_cap, score_mod=score_mod,
+        offset=static_int(vis.offset), start=static_int(vis.start), soft_cap=vis.logits_soft_cap, score_mod=score_mod,
         mask_mod=mask_mod, bias_shape=bias_shape, q_lengths=vis.q_lengths is not None,
         kv_lengths=vis.kv_lengths is not None, segmented=vis.segmented, sched_shape=tuple(sched),
         score_grads=tuple(jnp.issubdtype(c.dtype, jnp.floating) for c in score_consts), interpret=interpret,

@@ -3,7 +3,7 @@ Pallas' Triton backend: every NVIDIA GPU from compute capability 8.0, and Pallas
 interpret mode on a CPU.
 
 It takes the whole description but a dense mask: causality and two-sided windows at
-any static query offset, q/kv lengths, segment ids (queries' and keys' apart, traced
+any query offset (a traced one too: decoding from a cache index under jit), q/kv lengths, segment ids (queries' and keys' apart, traced
 or not), `score_mod` and `mask_mod` (traced into the kernel on index tiles; what they
 close over is read where they index it), an additive bias (with its gradient), the
 logit soft cap, sinks (merged from the kernel's log-sum-exp) and `return_residual`.
@@ -11,9 +11,9 @@ GQA is native. Blocks: `_flex.blocks` (64 queries by 64 keys, fewer for short
 sequences: Triton's tiles are powers of two, at least 16); N and S are padded to whole
 blocks inside, never to a power of two.
 
-Refused (the path's refusal, one line naming the part; one-query decoding steps under
-jit go to its decode kernel, `_pallas_gpu_decode`): a dense mask (give it as
-`mask_mod` or a bias), return_weights, dropout, a traced query offset or mods' start;
+Refused (the path's refusal, one line naming the part; one-query decoding steps go to
+its decode kernel, `_pallas_gpu_decode`, where it takes them): a dense mask (give it as
+`mask_mod` or a bias), return_weights, dropout;
 by `limits`: float64 (the kernel's softmax is float32), mixed dtypes, kv heads not
 dividing the query heads, and on a GPU head dims above `MAX_HEAD_DIM`.
 
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_mha import _flex, _masking
-from jax_mha._pallas_common import is_traced, next_pow2, pallas_limits
+from jax_mha._pallas_common import next_pow2, pallas_limits
 from jax_mha._path import Path, fallback
 from jax_mha._softmax import with_sinks
 
@@ -47,8 +47,6 @@ def limits(vis: _masking.Visibility, call: _masking.Call) -> str | None:
     d, dv = call.q.shape[-1], call.v.shape[-1]
     if call.platform == "gpu" and max(d, dv) > MAX_HEAD_DIM:
         return f"{NAME} needs head dims up to {MAX_HEAD_DIM} on a GPU, got D={d}, Dv={dv}; {fallback()}"
-    if is_traced(vis.start):
-        return f"{NAME} takes a static start of the mods' q_idx, got a traced one; {fallback()}"
     return None
 
 

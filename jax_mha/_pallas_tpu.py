@@ -63,7 +63,7 @@ from jax_mha._pallas_common import (
     static_int,
     without_x64,
 )
-from jax_mha._path import PARTS, Path, fallback, parts
+from jax_mha._path import Path, fallback, parts
 from jax_mha._softmax import with_sinks
 
 NAME = "implementation='pallas_tpu'"
@@ -298,17 +298,6 @@ def _own_kernel(vis: _masking.Visibility, call: _masking.Call) -> bool:
     return not set(parts(vis, call)) <= SPLASH_TAKES
 
 
-def _limits(vis: _masking.Visibility, call: _masking.Call) -> str | None:
-    """`limits`, and on a TPU the parts only the library's own kernel takes: its Mosaic
-    lowering is not built, so compiled it runs splash alone."""
-    why = limits(vis, call)
-    if why is None and call.platform == "tpu" and _own_kernel(vis, call):
-        part = next(p for p in parts(vis, call) if p not in SPLASH_TAKES)
-        why = (f"{NAME} compiled for a TPU runs splash attention, which cannot express {PARTS[part].describe(vis)} "
-               f"(the library's own kernel takes it in interpret mode only); {fallback()}")
-    return why
-
-
 def _run(q, k, v, bad_kv, vis: _masking.Visibility, call: _masking.Call, *, scale: float, **options):
     """Splash for what it takes, else the library's own kernel (interpret mode)."""
     if not _own_kernel(vis, call):
@@ -322,5 +311,7 @@ def _run(q, k, v, bad_kv, vis: _masking.Visibility, call: _masking.Call, *, scal
     return out, None, lse, empty, touched
 
 
-PATH = Path("pallas_tpu", _run, platforms=("tpu",), interprets=True, limits=_limits, takes=_flex.TAKES)
+# Compiled for a TPU it runs splash alone (the library's kernel has no Mosaic lowering yet).
+PATH = Path("pallas_tpu", _run, platforms=("tpu",), interprets=True, limits=limits, takes=_flex.TAKES,
+            compiled_takes=SPLASH_TAKES)
 refusal = PATH.refusal

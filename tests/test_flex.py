@@ -170,3 +170,28 @@ def test_a_schedule_of_other_lengths_or_not_a_schedule_is_refused():
         attention(q, k, v, is_causal=True, block_schedule=schedule)
     with pytest.raises(TypeError, match="block_schedule must be the result of jax_mha.block_schedule, got dict"):
         attention(q, k, v, block_schedule={})
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_decoding_chunks_at_a_traced_cache_index_run_on_the_kernel(kernel):
+    """A prefill then chunks of two rows through the cache under jit (the query offset
+    is the traced cache index): the kernel takes the steps, with a mod, a window and
+    sinks, and equals the same steps on `"xla"`."""
+    from jax_mha import _attend
+
+    q, k, v = (jnp.asarray(x[:1, :, :13]) for x in _inputs())
+    slopes = jnp.asarray(np.linspace(0.1, 0.9, H), jnp.float32)
+    kw = dict(score_mod=lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j), local_window_size=(6, 0),
+              sinks=slopes)
+
+    def steps(implementation):
+        cache = _attend.Cache(jnp.zeros_like(k), jnp.zeros_like(v), jnp.zeros((), jnp.int32), None)
+        step = jax.jit(lambda q, k, v, cache: _attend.attend(q, k, v, cache=cache, implementation=implementation,
+                                                            **kw)[::2])
+        outs = []
+        for lo, hi in [(0, 5), (5, 7), (7, 9), (9, 11), (11, 13)]:
+            out, cache = step(q[..., lo:hi, :], k[..., lo:hi, :], v[..., lo:hi, :], cache)
+            outs.append(out)
+        return jnp.concatenate(outs, axis=-2)
+
+    chex.assert_trees_all_close(steps(kernel), steps("xla"), atol=f32_tolerance(terms=TERMS, magnitude=1.0))

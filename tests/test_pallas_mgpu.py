@@ -252,12 +252,15 @@ def test_decode_through_the_cache():
 
 def test_pallas_gpu_routes_decoding_steps():
     """The decode kernel takes N == 1 (a traced offset too); everything else, and its
-    refusals, are the FlashAttention kernel's."""
+    refusals, are the library kernel's, which takes a traced offset at any N."""
     call1, call2 = _call(2, 4, 2, 1, 37, 64, "float32"), _call(2, 4, 2, 2, 37, 64, "float32")
     traced = lambda n, call: jax.jit(lambda o: jnp.int32(
         _dispatch.refusal("pallas_gpu", _vis(2, 4, n, 37, is_causal=True, q_offset=o), call) is None))(jnp.int32(3))
-    assert traced(1, call1) == 1  # the FlashAttention kernel refuses a traced offset
-    assert traced(2, call2) == 0
+    assert traced(1, call1) == 1 and traced(2, call2) == 1
+    picked = []
+    jax.jit(lambda o: picked.append(_dispatch.REGISTRY["pallas_gpu"].pick(
+        _vis(2, 4, 1, 37, is_causal=True, q_offset=o), call1)) or o)(jnp.int32(3))
+    assert picked[0] is _dispatch.REGISTRY["pallas_gpu"].decode  # a one-row step: the decode kernel
     seg = _masking.segments_at_rank(np.zeros((2, 1), np.int32), np.zeros((2, 37), np.int32), 1)
     vis = _vis(2, 4, 1, 37, q_segment_ids=seg[0], kv_segment_ids=seg[1])
     assert "segment ids" in _pallas_gpu_decode.decode_refusal(vis, call1)
