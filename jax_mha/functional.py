@@ -343,10 +343,15 @@ def block_schedule(q, k, *, is_causal: bool = False, local_window_size=None, q_l
     Args:
       q: `(B…, H, N, D)`, k: `(B…, K, S, D)`: arrays or `jax.ShapeDtypeStruct`s (only
         their shapes and dtypes are read).
-      is_causal, local_window_size, q_lengths, kv_lengths, q_segment_ids,
-        kv_segment_ids, mask_mod: as for `attention`; the call that reads the schedule
-        must give the same (a schedule of another pattern gives wrong rows, as a block
-        mask does in FlexAttention).
+      is_causal: as for `attention`.
+      local_window_size: as for `attention`.
+      q_lengths: as for `attention`.
+      kv_lengths: as for `attention`.
+      q_segment_ids: as for `attention`.
+      kv_segment_ids: as for `attention`.
+      mask_mod: as for `attention`. The call that reads the schedule must give the same
+        pattern (a schedule of another pattern gives wrong rows, as a block mask does
+        in FlexAttention).
 
     Returns:
       A `BlockSchedule` (a pytree of int32 arrays: it passes through jit, scan and remat).
