@@ -140,30 +140,10 @@ def test_library_kernel_composes_on_a_gpu(feature):
     values, float32 inputs) against float64, relative to the largest reference value."""
     if PLATFORM != "gpu":
         pytest.skip(f"the library's GPU kernel compiles for a GPU; this backend is {jax.default_backend()}")
-    from test_flex import FEATURES, _loss
-    from test_flex import _inputs as flex_inputs
+    from test_flex import compare_feature
 
-    make, values = FEATURES[feature]
-    q, k, v = flex_inputs()
-    w = np.random.default_rng(2).standard_normal(q.shape).astype(np.float32)
-
-    def ours(q, k, v, vals):
-        kw, _ = make(vals)
-        out, lse = attention(q, k, v, implementation="pallas_gpu", return_residual=True, **kw)
-        return _loss(out, lse, w), (out, lse)
-
-    def reference(q, k, v, vals):
-        _, ref = make(vals)
-        out, lse = jax_reference(q, k, v, return_lse=True, **{n: jnp.asarray(x) for n, x in ref.items()})
-        return _loss(out, lse, w), (out, lse)
-
-    f32 = {n: jnp.asarray(x, jnp.float32) for n, x in values.items()}
-    (_, got), grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, f32)
-    with x64(), jax.default_device(jax.devices("cpu")[0]):
-        f64 = {n: jnp.asarray(x, jnp.float64) for n, x in values.items()}
-        (_, want), want_grads = jax.value_and_grad(reference, argnums=(0, 1, 2, 3), has_aux=True)(
-            *(jnp.asarray(x, jnp.float64) for x in (q, k, v)), f64)
-    for got_x, ref_x in zip(jax.tree.leaves((got, grads)), jax.tree.leaves((want, want_grads))):
+    got, want = compare_feature("pallas_gpu", feature, reference_device=jax.devices("cpu")[0])
+    for got_x, ref_x in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         got_x, ref_x = np.asarray(got_x, np.float64), np.asarray(ref_x)
         finite = np.isfinite(ref_x)
         assert np.array_equal(np.isfinite(got_x), finite), feature

@@ -75,13 +75,13 @@ def _loss(out, lse, w):
     return jnp.sum(out * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w[..., 0])
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("feature", sorted(FEATURES))
-def test_kernel_equals_the_float64_reference(kernel, feature):
-    """Output, log-sum-exp and the gradients of q, k, v and the captured floating values."""
+def compare_feature(kernel, feature, reference_device=None):
+    """`(ours, reference)`: the output, log-sum-exp and gradients of q, k, v and the
+    captured floating values (a dict) of one feature, on `kernel` (jitted, float32) and
+    on conftest's `jax_reference` (float64, on `reference_device` when given)."""
     make, values = FEATURES[feature]
     q, k, v = _inputs()
-    w = np.random.default_rng(2).standard_normal((B, H, N, D))
+    w = np.random.default_rng(2).standard_normal((B, H, N, D)).astype(np.float32)
 
     def ours(q, k, v, vals):
         kw, _ = make(vals)
@@ -94,13 +94,21 @@ def test_kernel_equals_the_float64_reference(kernel, feature):
         return _loss(out, lse, w), (out, lse)
 
     f32 = {n: jnp.asarray(x, jnp.float32) for n, x in values.items()}
-    (_, got), grads = jax.value_and_grad(ours, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, f32)
-    with x64():
+    (_, got), grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, f32)
+    with x64(), jax.default_device(reference_device or jax.devices()[0]):
         f64 = {n: jnp.asarray(x, jnp.float64) for n, x in values.items()}
         (_, want), want_grads = jax.value_and_grad(reference, argnums=(0, 1, 2, 3), has_aux=True)(
             *(jnp.asarray(x, jnp.float64) for x in (q, k, v)), f64)
-    assert set(grads[3]) == set(values)  # every captured floating value took a gradient
-    for a, b in zip(jax.tree.leaves((got, grads)), jax.tree.leaves((want, want_grads))):
+    return (got, grads), (want, want_grads)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_kernel_equals_the_float64_reference(kernel, feature):
+    """Output, log-sum-exp and the gradients of q, k, v and the captured floating values."""
+    got, want = compare_feature(kernel, feature)
+    assert set(got[1][3]) == set(FEATURES[feature][1])  # every captured floating value took a gradient
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         b = np.asarray(b)
         np.testing.assert_allclose(np.asarray(a), b, atol=f32_tolerance(terms=TERMS, magnitude=b[np.isfinite(b)]))
 
