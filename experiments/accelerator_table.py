@@ -7,10 +7,10 @@ takes on each platform and what each kernel says about the call.
 
 Nothing runs: each call is a description (`Visibility`) and shape structs (`Call`), at a
 training shape (B=8, H=16, N=S=4096, D=128, bfloat16) unless its row says otherwise.
-The `pallas_mgpu` column reads that kernel's own rules (`_pallas_mgpu.kernel_refusal`):
+The `pallas_mgpu` column reads that kernel's own rules (`pallas_mgpu.kernel_refusal`):
 its machine check refuses every call where no Hopper GPU and CUDA plugin are present,
 which says nothing about the call. It is named only, never in a platform's `auto` chain.
-tests/test_accelerator_table.py checks that the page holds exactly this output.
+tests/studies/test_accelerator_table.py checks that the page holds exactly this output.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mha import _dispatch, _masking, _pallas_mgpu
+from jax_mha import _dispatch, _masking
+from jax_mha.paths import pallas_mgpu
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "accelerators.md"
 BEGIN, END = "<!-- accelerator_table: begin -->", "<!-- accelerator_table: end -->"
@@ -32,7 +33,7 @@ SHAPE = dict(b=8, h=16, k=16, n=4096, s=4096, d=128, dtype="bfloat16")
 # (platform, the kernels asked there) in the order of the table's columns.
 PLATFORMS = (("gpu", ("cudnn", "pallas_gpu", "pallas_mgpu")), ("tpu", ("pallas_tpu",)), ("cpu", ()))
 # Paths whose column reads a refusal other than the dispatcher's (see the docstring).
-RULES = {"pallas_mgpu": _pallas_mgpu.kernel_refusal}
+RULES = {"pallas_mgpu": pallas_mgpu.kernel_refusal}
 # (row label, Visibility parts, Call parts, shape changes)
 CASES = [
     ("causal", dict(is_causal=True), {}, {}),

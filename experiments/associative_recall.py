@@ -95,7 +95,7 @@ def quick() -> RecallStudyConfig:
 
 # The standard preset's peak learning rate per head count: the best area under the dev
 # loss curve in the grid of docs/results/data/recall_lr_grid.json (seeds 100 and 101,
-# the dev evaluation set; tests/test_report.py checks they agree).
+# the dev evaluation set; tests/studies/test_report.py checks they agree).
 STANDARD_RATES: tuple[tuple[int, float], ...] = ((1, 1e-2), (2, 3e-3), (4, 1e-2), (8, 1e-2))
 
 

@@ -548,7 +548,7 @@ def time_windows(cfg: BenchConfig) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------
-# The projections' kernel-gradient trick (jax_mha/_projection.py): does it still pay?
+# The projections' kernel-gradient trick (jax_mha/nn/projection.py): does it still pay?
 # ---------------------------------------------------------------------------------
 
 PROJECTION_SHAPE = (4, 512, 512)  # (B, N, d_model): the q, k, v, out projections of (4, 512, 512, 8)
@@ -557,7 +557,7 @@ PROJECTION_SHAPE = (4, 512, 512)  # (B, N, d_model): the q, k, v, out projection
 def time_projection(cfg: BenchConfig) -> dict[str, float]:
     """Forward+backward ms of four `nn.Dense(d_model)` layers on one input, with
     `projection_dot_general` (the library's) and with plain `lax.dot_general`."""
-    from jax_mha._projection import projection_dot_general
+    from jax_mha.nn.projection import projection_dot_general
 
     x = jax.random.normal(jax.random.PRNGKey(4), PROJECTION_SHAPE, jnp.float32)
     fns = {}
@@ -593,7 +593,7 @@ def _decode_without_cache(params, model, prompt, num_tokens: int) -> jax.Array:
 def time_decode(cfg: BenchConfig) -> list[dict]:
     """Greedy tokens/s of a decoder with `generate` (KV cache) and with the whole
     prefix re-run for every token, per total length L (a 1-token prompt, L - 1 new
-    tokens). Both give the same tokens (tests/test_models.py)."""
+    tokens). Both give the same tokens (tests/lab/test_models.py)."""
     from jax_mha.lab.models import Decoder, ModelConfig, generate
 
     rows = []

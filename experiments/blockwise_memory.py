@@ -3,7 +3,7 @@
 The "xla" path on its whole-scores route (the one it takes while the scores are small,
 held here at every N by `return_weights=True`) materialises the `(B, H, N, N)` logits
 and weights (and their gradients), so its memory grows as N^2; the blockwise path
-(online softmax with a recomputing custom VJP, `jax_mha.blockwise`) should grow as N.
+(online softmax with a recomputing custom VJP, `jax_mha.paths.blockwise`) should grow as N.
 Each (N, implementation) runs `jit(grad(sum(attention(q, k, v))))` w.r.t. q, k, v
 once, in a fresh Python process, so its peak resident set size (ru_maxrss, from
 `os.wait4`) is its own.
@@ -67,9 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=common.positive_int, default=64, help="head dim D (default: %(default)s)")
     p.add_argument("--causal", action="store_true", help="use is_causal=True (default: full bidirectional attention)")
     p.add_argument("--query-block-size", type=common.positive_int,
-                   help="blockwise query block size (default: the library's, jax_mha.blockwise.default_blocks)")
+                   help="blockwise query block size (default: the library's, jax_mha.paths.blockwise.default_blocks)")
     p.add_argument("--key-block-size", type=common.positive_int,
-                   help="blockwise key block size (default: the library's, jax_mha.blockwise.default_blocks)")
+                   help="blockwise key block size (default: the library's, jax_mha.paths.blockwise.default_blocks)")
     p.add_argument("--max-rss-gib", type=common.positive_float, default=16.0,
                    help="kill a child whose resident memory passes this many GiB and record it as OOM; larger N "
                         "of that implementation are then skipped (default: %(default)s)")

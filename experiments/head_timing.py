@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from experiments import common, plotting
 from experiments.common import Interrupted, save_figure, use_agg_backend, write_atomic, write_json
-from jax_mha.modules import MultiHeadAttention
+from jax_mha.nn.linen import MultiHeadAttention
 
 MODULE = "experiments.head_timing"
 

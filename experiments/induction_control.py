@@ -7,7 +7,7 @@ answer, only looking up the previous occurrence does), then is probed as the lan
 models are: per-head prefix-matching score on 64 rows of 12 distinct symbols repeated,
 against uniform attention's score, and the copying effect. If this model did not score
 above the threshold, the probe, not the language models, would be at fault.
-`tests/test_induction_control.py` runs the same function and asserts the threshold.
+`tests/studies/test_induction_control.py` runs the same function and asserts the threshold.
 
     python -m experiments.induction_control            # about 30 s on 2 cores
     python -m experiments.induction_control --seed 1

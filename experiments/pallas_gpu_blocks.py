@@ -1,14 +1,14 @@
 """The GPU kernel's blocks on this GPU: forward+backward time of
-`attention(implementation="pallas_gpu")` (the library's kernel, `jax_mha._flex`),
+`attention(implementation="pallas_gpu")` (the library's kernel, `jax_mha.paths.flex`),
 causal, B=8, H=16, N=S=4096, bfloat16, at D = 64 and 128, for each pair of
-(queries, keys) per block (`jax_mha._pallas_gpu.blocks`; the backward's dk/dv
+(queries, keys) per block (`jax_mha.paths.pallas_gpu.blocks`; the backward's dk/dv
 programs use the same blocks). Each pair's gradients are checked against the float32
 blockwise engine's.
 
     python -m experiments.pallas_gpu_blocks     # a GPU only; about a minute on an H200
 
 Writes `results/pallas_gpu_blocks.json` (atomic), naming the device; the pair the
-library uses is `_flex.BLOCK` (not yet chosen from a sweep on a GPU:
+library uses is `flex.BLOCK` (not yet chosen from a sweep on a GPU:
 docs/results/gpu_kernels.md, section 4).
 """
 
@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.common import median_seconds, run_metadata, write_json
-from jax_mha import _dispatch, _pallas_gpu, attention
+from jax_mha import _dispatch, attention
+from jax_mha.paths import pallas_gpu
 
 PAIRS = ((64, 64), (128, 64), (64, 128), (128, 128), (32, 64), (64, 32))
 B, H, N = 8, 16, 4096
@@ -39,8 +40,8 @@ def gradients(implementation: str):
 def measure(d: int, q_block: int, k_block: int, want, q, k, v, repeats: int) -> dict:
     """One pair at head size `d`: median ms, first call s, largest gradient error
     relative to the largest reference gradient."""
-    saved = _pallas_gpu.blocks
-    _pallas_gpu.blocks = lambda n, s: (q_block, k_block)
+    saved = pallas_gpu.blocks
+    pallas_gpu.blocks = lambda n, s: (q_block, k_block)
     try:
         step = gradients("pallas_gpu")  # a new jit: traced with this pair
         sec, first = median_seconds(lambda: jax.block_until_ready(step(q, k, v)), warmup=1, repeats=repeats)
@@ -48,7 +49,7 @@ def measure(d: int, q_block: int, k_block: int, want, q, k, v, repeats: int) -> 
     except Exception as e:  # a pair Triton cannot compile (shared memory) is recorded, the sweep goes on
         return dict(head_dim=d, q_block=q_block, k_block=k_block, error=f"{type(e).__name__}: {str(e)[:200]}")
     finally:
-        _pallas_gpu.blocks = saved
+        pallas_gpu.blocks = saved
     err = max(float(np.max(np.abs(np.asarray(g, np.float32) - w)) / max(float(np.max(np.abs(w))), 1e-30))
               for g, w in zip(got, want))
     return dict(head_dim=d, q_block=q_block, k_block=k_block, ms=sec * 1e3, first_call_s=first, relative_error=err)
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"D={d:<4} q_block={q_block:<4} k_block={k_block:<3} " + (
                 f"{row['ms']:8.3f} ms  error {row['relative_error']:.1e}" if "ms" in row else row["error"]), flush=True)
     result = dict(kind="pallas_gpu_blocks", device=str(jax.devices()[0].device_kind), batch=B, heads=H, seq=N, dtype="bfloat16", causal=True,
-                  library_pairs={d: _pallas_gpu.blocks(N, N) for d in (64, 128)}, rows=rows, metadata=run_metadata())
+                  library_pairs={d: pallas_gpu.blocks(N, N) for d in (64, 128)}, rows=rows, metadata=run_metadata())
     write_json(args.out, result)
     print(f"wrote {args.out}")
     return result

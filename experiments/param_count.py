@@ -22,7 +22,7 @@ import numpy as np
 
 from experiments import common, plotting
 from experiments.common import run_metadata, save_figure, use_agg_backend, write_atomic, write_json
-from jax_mha.modules import FeedForward, MultiHeadAttention, TransformerBlock
+from jax_mha.nn.linen import FeedForward, MultiHeadAttention, TransformerBlock
 
 PROJECTIONS = ("query", "key", "value", "out")
 NAMES = {"query": "W_Q", "key": "W_K", "value": "W_V", "out": "W_O"}

@@ -1,8 +1,8 @@
 """Ring or Ulysses: bytes each device sends, and its memory, per attention layer.
 
 Question: for the same sequence split over P devices, how much does each device send
-per layer, and hold, with ring attention (`jax_mha.ring`: key/value blocks passed
-around a ring) and with Ulysses (`jax_mha.ulysses`: all-to-all from the sequence
+per layer, and hold, with ring attention (`jax_mha.parallel.ring`: key/value blocks passed
+around a ring) and with Ulysses (`jax_mha.parallel.ulysses`: all-to-all from the sequence
 split to a head split and back)? Setup: self-attention, B=1, H=8, D=64, float32,
 causal, forward+backward (the value of `(out * g).sum()` and its gradient to q, k, v), P forced host
 devices (default 4); both run blockwise inside (the ring its own tiles, Ulysses

@@ -19,7 +19,7 @@ from jax_mha.functional import (
     split_heads,
 )
 from jax_mha.interop import from_flax, from_torch_state_dict, mask_from_torch, to_flax, to_torch_state_dict
-from jax_mha.modules import FeedForward, MultiHeadAttention, TransformerBlock
+from jax_mha.nn.linen import FeedForward, MultiHeadAttention, TransformerBlock
 
 # `jax.export` refuses custom calls without a serialization guarantee unless told; the
 # GPU kernel (Pallas' Triton backend) is one. Pass these to export a model that calls

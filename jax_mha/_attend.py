@@ -1,7 +1,7 @@
 """What the linen and NNX attention layers share, between their projections.
 
 Pure functions of arrays: no parameters, no Flax, and no attention math (that is
-`jax_mha.functional.attention`). The modules (`jax_mha.modules`, `jax_mha.nnx`) create
+`jax_mha.functional.attention`). The modules (`jax_mha.nn.linen`, `jax_mha.nnx`) create
 the parameters, project, normalise and keep the cache variables; `attend` does the
 rest: rotary embeddings, the decoding cache step, PyTorch's extra keys, the call into
 the functional core and the head gates.

@@ -41,26 +41,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mha import (
-    _cudnn,
-    _dense,
-    _masking,
-    _pallas_gpu,
-    _pallas_gpu_decode,
-    _pallas_mgpu,
-    _pallas_tpu,
-    _pallas_tpu_decode,
-    _path,
-    _softmax,
+from jax_mha import _masking, _path, _softmax
+from jax_mha.paths import (
     blockwise,
+    cudnn,
+    dense,
+    pallas_gpu,
+    pallas_gpu_decode,
+    pallas_mgpu,
+    pallas_tpu,
+    pallas_tpu_decode,
 )
-from jax_mha._dense import WHOLE_SCORES_MAX_BYTES, whole_scores_fit
+from jax_mha.paths.dense import WHOLE_SCORES_MAX_BYTES, whole_scores_fit
 
 # Every path, in "auto"'s order: the pure-JAX paths, then each platform's kernels.
-for _registered in (_dense.PATH, blockwise.PATH, _cudnn.PATH,
-                    dataclasses.replace(_pallas_tpu.PATH, decode=_pallas_tpu_decode.DECODE),
-                    dataclasses.replace(_pallas_gpu.PATH, decode=_pallas_gpu_decode.DECODE),
-                    _pallas_mgpu.PATH):
+for _registered in (dense.PATH, blockwise.PATH, cudnn.PATH,
+                    dataclasses.replace(pallas_tpu.PATH, decode=pallas_tpu_decode.DECODE),
+                    dataclasses.replace(pallas_gpu.PATH, decode=pallas_gpu_decode.DECODE),
+                    pallas_mgpu.PATH):
     _path.register(_registered)
 REGISTRY = _path.REGISTRY
 PATHS = tuple(REGISTRY)

@@ -65,7 +65,7 @@ class Visibility:
     Python values (pytree metadata); arrays are leaves (traced under jit).
 
     `jax_mha.attention` builds it once, in the public layout below (`public`); the
-    blockwise engine keeps a copy of the arrays in its own layout (`jax_mha._flash`).
+    blockwise engine keeps a copy of the arrays in its own layout (`jax_mha.paths.engine`).
 
     Attributes:
       n, s: query and key lengths N and S.

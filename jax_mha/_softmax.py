@@ -2,7 +2,7 @@
 
 - `online_step`: one block of scores folded into a row's running maximum and
   normaliser (the online softmax of FlashAttention), called by the blockwise engine
-  (`_flash`), the library's kernel (`_flex`), ring attention (`ring`) and the
+  (`engine`), the library's kernel (`flex`), ring attention (`ring`) and the
   statistics (`_statistics`); `output_delta` and `logits_grad`, its backward (the
   same three).
 - `with_sinks` / `add_sink`: attention over the real keys merged with each head's sink,

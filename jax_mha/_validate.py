@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mha import _masking
-from jax_mha._schedule import BlockSchedule
+from jax_mha.paths.schedules import BlockSchedule
 
 EMPTY_ROWS = ("zero", "uniform")
 LAYOUTS = ("BHND", "BNHD")

@@ -2,22 +2,21 @@
 
 The public layer of the core. Beneath it, each file with one job:
 
-  _validate.py    the input checks, and `describe`: the arguments as one description
-  _masking.py     the one description of which (query, key) pairs may attend
-  _path.py        a path as an object: what it takes, its limits, its refusal
-  _dispatch.py    the registry of paths (`REGISTRY`), `"auto"`'s choice, and the call
-                  of a path between the steps every path shares
-  _softmax.py     those steps (non-finite inputs isolated, empty rows, padding rows),
-                  the sink merge and the online-softmax step
-  _dense.py       the whole scores, one screen: the truth every path is tested against
-                  and the path that returns the weights
-  _flash.py       the blockwise engine: query blocks x key blocks, online softmax, a
-                  custom JVP whose tangent's transpose is written by hand (_linear.py):
-                  the two-pass FlashAttention-2 backward; blockwise.py its blocks
-  _cudnn.py, _pallas_tpu.py, _pallas_tpu_decode.py, _pallas_gpu.py,
-  _pallas_gpu_decode.py, _pallas_mgpu.py
-                  the description translated for a kernel (_pallas_common.py: what
-                  they share)
+  _validate.py     the input checks, and `describe`: the arguments as one description
+  _masking.py      the one description of which (query, key) pairs may attend
+  _path.py         a path as an object: what it takes, its limits, its refusal
+  _dispatch.py     the registry of paths (`REGISTRY`), `"auto"`'s choice, and the call
+                   of a path between the steps every path shares
+  _softmax.py      those steps (non-finite inputs isolated, empty rows, padding rows),
+                   the sink merge, the online-softmax step and its backward
+  _statistics.py   entropy, largest weight and received weight, on any path's recurrence
+  paths/           one module per path (see `jax_mha.paths`): `dense` (the whole
+                   scores; the path that returns the weights), `blockwise` over
+                   `engine` (query x key blocks, the FlashAttention-2 backward),
+                   `cudnn`, the Pallas kernels over the library's own `flex`, the
+                   decode kernels; `kernel_common` is what the kernels share
+  parallel/        ring attention, Ulysses and the mesh rules (`jax_mha.parallel`)
+  nn/              the Flax modules that wrap this layer (linen and NNX)
 
 Axis letters used in shapes and einsum strings:
   B… any leading batch dims, N query length, S key/value length,
@@ -34,7 +33,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_mha import _dispatch, _flex, _masking, _schedule
+from jax_mha import _dispatch, _masking
 from jax_mha._dispatch import IMPLEMENTATIONS, WHOLE_SCORES_MAX_BYTES, whole_scores_fit
 from jax_mha._statistics import attention_statistics
 from jax_mha._validate import (
@@ -46,6 +45,7 @@ from jax_mha._validate import (
     check_options,
     describe,
 )
+from jax_mha.paths import flex, schedules
 
 
 def split_heads(x: jax.Array, num_heads: int) -> jax.Array:
@@ -361,7 +361,7 @@ def block_schedule(q, k, *, is_causal: bool = False, local_window_size=None, q_l
     vis = describe(q, k, k, is_causal=is_causal, local_window_size=local_window_size, q_lengths=q_lengths,
                    kv_lengths=kv_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                    mask_mod=mask_mod)
-    return _schedule.build_schedule(vis, *_flex.blocks(vis.n, vis.s))
+    return schedules.build_schedule(vis, *flex.blocks(vis.n, vis.s))
 
 
 def _block_sizes(query_block_size, key_block_size) -> tuple[int | None, int | None]:

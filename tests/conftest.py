@@ -1,4 +1,5 @@
-"""Shared test configuration and an independent float64 NumPy reference.
+"""Shared test configuration and the one float64 reference (`jax_reference`), written apart
+from the library.
 
 `jax_numpy_rank_promotion="raise"` turns every implicit rank broadcast (e.g. adding a
 `(N, S)` bias to `(B, H, N, S)` logits) into an error, so the library has to broadcast
@@ -6,7 +7,7 @@ explicitly and a silently swapped or missing axis cannot slip through.
 
 XLA's CPU backend compiles at optimisation level 0 here: the suite compiles thousands
 of small programs and runs few large ones, so compilation is most of its time (27 %
-less wall time for tests/test_modules.py and tests/test_train.py, measured on the
+less wall time for tests/nn/test_modules.py and tests/lab/test_train.py, measured on the
 2-core CI-sized CPU). Values are checked against references with tolerances, and
 bit-for-bit comparisons are between two runs under the same flags. A test that starts
 its own Python process sets its own XLA_FLAGS.
@@ -36,11 +37,8 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
 def np_attention(q, k, v, mask=None, bias=None, scale=None):
-    """Float64 reference attention that loops over batch entries, heads and query rows.
-
-    Written independently of `jax_mha`: no einsum, no reshape of heads into groups.
-    Query head `h` reads key/value head `h // (H // K)`. Fully masked rows give zero
-    weights and a zero output.
+    """`jax_reference` in float64 on NumPy arrays, with the weights: the suite's one
+    reference, for tests that compare arrays rather than transformations.
 
     Args:
       q: `(B…, H, N, D)`; k: `(B…, K, S, D)`; v: `(B…, K, S, Dv)`.
@@ -49,32 +47,16 @@ def np_attention(q, k, v, mask=None, bias=None, scale=None):
       scale: logit scale, default `1/sqrt(D)`.
 
     Returns:
-      `(out (B…, H, N, Dv), weights (B…, H, N, S))`, float64.
+      `(out (B…, H, N, Dv), weights (B…, H, N, S))`, float64 NumPy; a row with no
+      allowed key has zero weights and a zero output.
     """
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    *batch, h, n, d = q.shape
-    kv_heads, s = k.shape[-3], k.shape[-2]
-    group = h // kv_heads
-    scale = 1.0 / np.sqrt(d) if scale is None else scale
-    full = (*batch, h, n, s)
-    mask = np.broadcast_to(np.ones((), bool) if mask is None else np.asarray(mask), full)
-    bias = np.broadcast_to(np.zeros(()) if bias is None else np.asarray(bias, np.float64), full)
-    out = np.zeros((*batch, h, n, v.shape[-1]))
-    weights = np.zeros(full)
-    for b in np.ndindex(*batch):
-        for head in range(h):
-            kv = head // group
-            for i in range(n):
-                allowed = mask[b + (head, i)]
-                if not allowed.any():
-                    continue  # fully masked row: zeros
-                logits = np.array([q[b + (head, i)] @ k[b + (kv, j)] for j in range(s)])
-                logits = logits * scale + bias[b + (head, i)]
-                logits = np.where(allowed, logits, -np.inf)
-                e = np.exp(logits - logits.max())
-                weights[b + (head, i)] = e / e.sum()
-                out[b + (head, i)] = weights[b + (head, i)] @ v[b + (kv,)]
-    return out, weights
+    full = (*np.shape(q)[:-1], np.shape(k)[-2])  # (B…, H, N, S)
+    f64 = lambda x: jnp.asarray(np.asarray(x, np.float64))
+    mask = None if mask is None else np.broadcast_to(np.asarray(mask, bool), full)
+    with x64():
+        bias = None if bias is None else f64(np.broadcast_to(np.asarray(bias, np.float64), full))
+        out, weights = jax_reference(f64(q), f64(k), f64(v), mask, bias, scale, return_weights=True)
+        return np.asarray(out), np.asarray(weights)
 
 
 def f32_tolerance(*, terms: int, magnitude, dtype=jnp.float32, safety: float = 8.0) -> float:
@@ -143,7 +125,7 @@ def np_allowed(shape, *, is_causal=False, window=None, q_lengths=None, kv_length
 
 
 def jax_reference(q, k, v, allowed=None, bias=None, scale=None, cap=None, keep=None, rate=0.0, uniform_rows=None,
-                  sinks=None, return_lse=False):
+                  sinks=None, return_lse=False, return_weights=False):
     """Dense attention in plain `jax.numpy`, written apart from `jax_mha`, for comparing
     every JAX transformation against autodiff (run it in float64): scaled logits, + bias,
     `cap * tanh(logits / cap)` when `cap` is given (Gemma 2's order), mask, softmax. k/v
@@ -152,7 +134,8 @@ def jax_reference(q, k, v, allowed=None, bias=None, scale=None, cap=None, keep=N
     scaled by 1/(1-rate)); `uniform_rows` (bool `(B…, H, N)`) gives those rows the mean
     of all values (the `empty_rows="uniform"` policy). `sinks` `(H,)`: one more key
     per head, never masked, of that logit and value zero. `return_lse`: also the log
-    of each row's softmax denominator (-inf where it is empty)."""
+    of each row's softmax denominator (-inf where it is empty); `return_weights`: also
+    the weights `(B…, H, N, S)` (the sinks' own weights left out)."""
     h, kv_heads, d = q.shape[-3], k.shape[-3], q.shape[-1]
     k = jnp.repeat(k, h // kv_heads, axis=-3)
     v = jnp.repeat(v, h // kv_heads, axis=-3)
@@ -178,6 +161,8 @@ def jax_reference(q, k, v, allowed=None, bias=None, scale=None, cap=None, keep=N
     if keep is not None:
         weights = jnp.where(keep, weights / (1.0 - rate), 0.0)
     out = weights @ v
+    if return_weights:
+        return out, weights[..., :-1] if sinks is not None else weights
     if uniform_rows is not None:
         mean_v = jnp.mean(v if sinks is None else v[..., :-1, :], axis=-2, keepdims=True)
         out = jnp.where(uniform_rows[..., None], mean_v, out)
@@ -243,6 +228,18 @@ def x64(enabled: bool = True):
     return enable_x64() if enabled else disable_x64()
 
 
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def script_env(**overrides: str) -> dict[str, str]:
+    """The environment of a test file run again as a script in a subprocess (to start
+    XLA with more host devices): the checkout, whether installed or not, and this
+    directory (`conftest`) importable; `overrides` set variables such as XLA_FLAGS."""
+    env = dict(os.environ, **overrides)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR.parent), str(TESTS_DIR), env.get("PYTHONPATH")]))
+    return env
+
+
 def run_in(cwd: Path, main, argv) -> tuple[object, str]:
     """A study's `main(argv)` with `cwd` as the working directory; `(result, stdout)`."""
     out, old = io.StringIO(), os.getcwd()
@@ -257,4 +254,5 @@ def run_in(cwd: Path, main, argv) -> tuple[object, str]:
 
 def pytest_addoption(parser):
     parser.addoption("--full-matrix", action="store_true", default=False,
-                     help="run every cell of tests/test_composition.py (CI runs a fixed-seed draw of them)")
+                     help="run every cell of tests/core/test_composition.py (CI runs a fixed-seed draw of them)")
+

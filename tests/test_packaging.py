@@ -37,7 +37,7 @@ def test_the_version_has_one_source_and_only_jax_mha_is_installed():
                if line.startswith("__version__ = ")]
     assert len(written) == 1 and f'"{jax_mha.__version__}"' in written[0]  # a literal setuptools reads statically
     found = find_packages(str(ROOT), include=tool["packages"]["find"]["include"])
-    assert sorted(found) == ["jax_mha", "jax_mha.lab"]  # no top-level `experiments`
+    assert sorted(found) == ["jax_mha", "jax_mha.lab", "jax_mha.nn", "jax_mha.parallel", "jax_mha.paths"]  # no `experiments`
     assert tool["package-data"]["jax_mha"] == ["py.typed"] and (ROOT / "jax_mha" / "py.typed").is_file()
     assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
 

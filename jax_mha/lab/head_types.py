@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mha.functional import attention_entropy
-from jax_mha.modules import MultiHeadAttention
+from jax_mha.nn.linen import MultiHeadAttention
 
 # More than half of a head's attention, averaged over queries, on the one key the
 # pattern names: that key then outweighs all other keys together, so the pattern is

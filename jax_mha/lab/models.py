@@ -20,7 +20,7 @@ import numpy as np
 
 from jax_mha.functional import IMPLEMENTATIONS
 from jax_mha.lab.head_types import logits_and_attention_weights  # noqa: F401  (re-exported: its home before)
-from jax_mha.modules import MultiHeadAttention, TransformerBlock, _require_dropout_rng, _require_mutable_cache
+from jax_mha.nn.linen import MultiHeadAttention, TransformerBlock, _require_dropout_rng, _require_mutable_cache
 
 POSITIONAL = ("learned", "sinusoidal")
 MIXERS = ("attention", "gated_conv")  # the sequence mixer of every block, see ModelConfig.mixer

@@ -1,0 +1,142 @@
+"""The `"blockwise"` path: query and key blocks, memory linear in N and S.
+
+The tuned engine (`jax_mha.paths.engine`) in blocks, so that no `N x S` array exists in the
+forward or the backward pass: peak memory is `O(B·H·(N + S)·D + B·H·q_block·k_block)`
+plus any `mask`/`bias` the caller holds (and a bias's gradient).
+Key blocks that causality, a window, the lengths, the segment ids or an all-False mask
+block rule out are skipped, in the forward and in both passes of the backward, so
+causal attention does about half the work and a sliding window work proportional to
+N·window.
+
+A `mask_mod` (FlexAttention's mask function) is evaluated block by block, never as an
+`(N, S)` array. When every value it reads is known before the call runs (it closes
+over nothing traced, and `q_start` is an int), each query block's range of key blocks
+holding a visible key is computed from those values at this call
+(`jax_mha.paths.engine.mask_mod_ranges`, kept under a key of the traced computation and the
+values, never of the function object; FlexAttention's block mask, reduced to one
+range per query block), so the key loop is as short as the widest range and a
+`mask_mod` window runs like `local_window_size`; inside the range each block is tested
+on its own index grid and skipped when empty. A `mask_mod` closing over traced values
+(document ids passed into a jitted function, a vmapped argument) gets only that
+per-block test: every block of the band is tested, none is ruled out beforehand. With
+no block sizes given, the blocks follow its span (`mask_mod_span`).
+
+Segment ids (packed sequences): a key block is skipped when the range
+`[min, max]` of its keys' ids does not meet the query block's range. For sorted ids
+(the packed layout: documents one after another) the ranges are tight and each query
+block visits only the key blocks of its own documents, about `N·doc_len` work instead
+of `N·S`, forward and backward. Unsorted ids are still exact (every visited block is
+masked pair by pair), but their ranges overlap more often, so fewer blocks are skipped.
+
+Default blocks (`default_blocks`): 2048 query rows x 256 keys without a causal or
+window pattern, 512 x 512 with one. On one CPU device the engine runs one head at a
+time, so a float32 score block is 2 or 1 MiB, cache-sized. Without a pattern nothing
+is skipped, and tall query blocks make fewer passes over the keys; a pattern wants
+shorter query blocks so that whole key blocks are skipped. The measurements behind
+these choices are in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from jax_mha._masking import Visibility
+from jax_mha._path import EVERY_PART, Path
+from jax_mha._softmax import with_sinks
+from jax_mha.paths.engine import check_description, mask_mod_ranges, run_engine
+
+QUERY_BLOCK_SIZE, KEY_BLOCK_SIZE = 2048, 256  # without a pattern to skip by
+PATTERN_BLOCK_SIZE = 512  # square blocks with a causal or window pattern
+NARROW_WINDOW = 1024  # a window spanning fewer keys than this gets square blocks of its span
+NARROW_MIN_BLOCK = 128  # narrower blocks make matmuls too small to run efficiently on CPU
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(int(x) - 1, 0).bit_length()
+
+
+def mask_mod_span(vis: Visibility, n: int, s: int):
+    """`(span, sparse)` of a `mask_mod`, or None when its block ranges cannot be known
+    before the call runs (it closes over a traced value, or `q_start` is traced): the
+    widest run of keys (in 128-key blocks, minus one block) a 128-row query block
+    sees, and whether under 3/4 of the blocks hold a visible key. The mask function
+    is evaluated 128 rows at a time on the values it reads at this call
+    (`jax_mha.paths.engine.mask_mod_ranges`)."""
+    bq, bk = min(NARROW_MIN_BLOCK, n), min(NARROW_MIN_BLOCK, s)
+    n_pad, s_pad = -(-n // bq) * bq, -(-s // bk) * bk
+    ranges = mask_mod_ranges(vis.mask_mod, math.prod(vis.batch_shape), vis.num_heads, n, s, n_pad, s_pad, bq, bk,
+                             0 if vis.q_start is None else vis.q_start)
+    if ranges is None:
+        return None
+    widths = [hi - lo for lo, hi in ranges]
+    return max(0, max(widths) - 1) * bk, sum(widths) < 0.75 * len(ranges) * (s_pad // bk)
+
+
+def default_blocks(is_causal: bool, window, span=None) -> tuple[int, int]:
+    """`(query_block_size, key_block_size)` when the caller gives none.
+
+    2048 x 256 without a pattern, 512 x 512 when causal or windowed; for a narrow band,
+    square blocks of about its span `w` (a window whose left + right, right counted as
+    0 when causal, is under `NARROW_WINDOW` keys; between 128 and 512): a query block
+    then visits about `2w` keys where it needs `w + q_block` (measured in
+    docs/performance.md).
+    `span`: `mask_mod_span`'s `(span, sparse)` for a mask function, read the same way
+    (a narrow span gets square blocks of about its width, a sparse one 512 x 512).
+    """
+    if span is not None and (window is None or window.left is None):
+        width, sparse = span
+        if width < NARROW_WINDOW:
+            side = min(PATTERN_BLOCK_SIZE, max(NARROW_MIN_BLOCK, _pow2_at_least(width)))
+            return side, side
+        if sparse:
+            return PATTERN_BLOCK_SIZE, PATTERN_BLOCK_SIZE
+    right = None if window is None else (0 if is_causal else window.right)  # causal: no key after the query
+    if window is not None and window.left is not None and right is not None and window.left + right < NARROW_WINDOW:
+        side = min(PATTERN_BLOCK_SIZE, max(NARROW_MIN_BLOCK, _pow2_at_least(window.left + right)))
+        return side, side
+    if is_causal or window is not None:
+        return PATTERN_BLOCK_SIZE, PATTERN_BLOCK_SIZE
+    return QUERY_BLOCK_SIZE, KEY_BLOCK_SIZE
+
+
+def run_blockwise(q, k, v, vis: Visibility, *, scale: float, query_block_size=None, key_block_size=None,
+                        bad_kv=None):
+    """`run_engine` with blocks of at most `query_block_size x key_block_size`
+    (clamped to N and S; None: `default_blocks`).
+
+    Args:
+      q: `(B…, H, N, D)`; k: `(B…, K, S, D)`; v: `(B…, K, S, Dv)`, finite.
+      vis: the description (`jax_mha._masking.Visibility`, public layout).
+      scale, bad_kv: see `run_engine`.
+
+    Returns:
+      `(out (B…, H, N, Dv), lse (B…, H, N), touched (B…, H, N))`, as `run_engine`.
+    """
+    check_description(vis)
+    n, s = q.shape[-2], k.shape[-2]
+    span = None
+    if vis.mask_mod is not None and (query_block_size is None or key_block_size is None):
+        span = mask_mod_span(vis, n, s)
+    q_default, k_default = default_blocks(vis.is_causal, vis.window, span)
+    q_block = q_default if query_block_size is None else query_block_size
+    k_block = k_default if key_block_size is None else key_block_size
+    return run_engine(q, k, v, vis, scale=scale, q_block=min(q_block, n), k_block=min(k_block, s), bad_kv=bad_kv)
+
+
+def run(q, k, v, bad_kv, vis: Visibility, call, *, scale: float, blocks, **_):
+    """The `"blockwise"` path (`Path.run`): `run_blockwise` with `blocks`
+    `(query_block_size, key_block_size)`, each None for the default, and the sinks
+    merged in."""
+    del call
+    out, lse, touched = run_blockwise(q, k, v, vis, query_block_size=blocks[0], key_block_size=blocks[1],
+                                      scale=scale, bad_kv=bad_kv)
+    empty = lse == jnp.inf  # the engine's mark of a row with no visible key
+    out, lse = with_sinks(out, jnp.where(empty, -jnp.inf, lse), vis.sinks)
+    return out, None, lse, empty, touched
+
+
+# It never builds the weights, so it neither returns them nor drops them out.
+PATH = Path("blockwise", run, takes=EVERY_PART - {"return_weights", "dropout"}, statistics="blocks")
+refusal = PATH.refusal
