@@ -20,6 +20,8 @@ import functools
 import io
 import math
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):  # read when the backend starts
@@ -27,6 +29,16 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):  # r
 # On a GPU each pytest worker would otherwise take 75 % of its memory when it starts
 # (`pytest -m device` runs two workers); the tests' arrays are small.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# One compilation cache for the run, shared by both workers and every process a test
+# starts (they inherit the variables): the suite compiles thousands of small programs,
+# many of them more than once (the same computation traced again by another test or
+# parametrization), and compiling is most of its time. A fresh directory per run,
+# removed at its end (`pytest_sessionfinish`), so no run reads another's entries.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_mha-tests-xla-cache-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -256,3 +268,8 @@ def pytest_addoption(parser):
     parser.addoption("--full-matrix", action="store_true", default=False,
                      help="run every cell of tests/core/test_composition.py (CI runs a fixed-seed draw of them)")
 
+
+def pytest_sessionfinish(session):
+    """Removes the run's compilation cache, in the process that made it."""
+    if _OWN_CACHE and not hasattr(session.config, "workerinput"):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

@@ -4,6 +4,7 @@ KV-cache decoding, RoPE, QK-norm and the options passed through to the core."""
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import chex
@@ -22,17 +23,19 @@ from jax_mha.nn.projection import projection_dot_general
 
 @pytest.fixture(autouse=True)
 def promotion(request):
-    """Every test of this suite runs under standard and strict dtype promotion
-    (equinox's suite runs strict; a library that promotes implicitly breaks there).
-    Parametrized by `pytest_generate_tests`, which pytest skips for unittest-style
-    classes (chex's `TestCase`): those run under standard promotion."""
-    mode = getattr(request, "param", "standard")
+    """Every test of this suite runs under strict dtype promotion (equinox's suite runs
+    strict; a library that promotes implicitly breaks there). Strict promotion only
+    forbids implicit promotions, so what runs under it is the same program under
+    standard promotion (tests/nn/test_strict_promotion.py checks the values agree); a
+    test that names `promotion` runs under both. unittest-style classes (chex's
+    `TestCase`) take no fixtures: they run under standard promotion."""
+    mode = getattr(request, "param", "strict")
     with jax.numpy_dtype_promotion(mode):
         yield mode
 
 
 def pytest_generate_tests(metafunc):
-    if "promotion" in metafunc.fixturenames:
+    if "promotion" in inspect.signature(metafunc.function).parameters:
         metafunc.parametrize("promotion", ["standard", "strict"], indirect=True)
 
 

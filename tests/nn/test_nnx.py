@@ -1,5 +1,6 @@
 """Tests for `jax_mha.nnx`: the NNX twins equal the linen modules on identical weights,
-decode with their cache, sow, drop out, and convert parameters both ways."""
+decode with their cache, sow, drop out, and convert parameters both ways; every test
+under strict dtype promotion, as tests/nn/test_modules.py runs the linen suite."""
 
 from __future__ import annotations
 
@@ -25,6 +26,15 @@ B, N, D_MODEL, H = 2, 5, 36, 6
 # feed-forward layer (d_model, then d_ff 13).
 MODULE_TERMS = D_MODEL + D_MODEL // H + 2 * 13 + D_MODEL
 BLOCK_TERMS = MODULE_TERMS + 2 * 2 * D_MODEL + D_MODEL + 13
+
+
+@pytest.fixture(autouse=True)
+def strict_promotion():
+    """Strict promotion (equinox's suite runs in it) turns every implicit mixing of
+    dtypes into an error; what runs under it is the same program under standard
+    promotion (tests/nn/test_strict_promotion.py checks the values agree)."""
+    with jax.numpy_dtype_promotion("strict"):
+        yield
 
 
 def tol(want, terms=MODULE_TERMS):

@@ -1,11 +1,10 @@
-"""The NNX modules and the blocks under `jax_numpy_dtype_promotion="strict"` (every
-attention path is checked under it against float64 in tests/core/test_functional.py).
+"""The modules and blocks under `jax_numpy_dtype_promotion="strict"` (every attention
+path is checked under it against float64 in tests/core/test_functional.py).
 
 Strict promotion (equinox's own test suite runs in it) turns every implicit mixing of
-dtypes, e.g. float16 activations times float32 scales, into an error. The NNX module
-suite is collected again here and runs whole under it (tests/nn/test_modules.py runs the
-linen suite under both modes itself); the half-precision cases below check that strict
-mode changes no value.
+dtypes, e.g. float16 activations times float32 scales, into an error. The linen and NNX
+suites (tests/nn/test_modules.py, tests/nn/test_nnx.py) run whole under it; the cases
+below check half precision, and that strict mode changes no value.
 """
 
 from __future__ import annotations
@@ -15,10 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
-# The whole NNX suite, re-collected in this file: the autouse fixture below runs each
-# of its tests under strict promotion.
-from test_nnx import *  # noqa: E402,F401,F403
 
 from jax_mha import MultiHeadAttention, TransformerBlock
 from jax_mha import nnx as jax_mha_nnx
