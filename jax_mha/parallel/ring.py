@@ -91,7 +91,8 @@ class _Arrays(NamedTuple):
 
     q `(B, H, N, D)`, k `(B, K, N, D)`, v `(B, K, N, Dv)`; q_len, kv_len int32 `(B,)`;
     q_ids, kv_ids int32 `(B, N)`; the consts are replicated; sinks float `(H,)`, split
-    like the heads."""
+    like the heads; bad_kv bool `(B, K, N)`, the keys whose key or value was not finite
+    (`_softmax.sanitize`), split like the keys."""
 
     q: jax.Array
     k: jax.Array
@@ -103,6 +104,7 @@ class _Arrays(NamedTuple):
     score_consts: tuple
     mask_consts: tuple
     sinks: jax.Array | None = None
+    bad_kv: jax.Array | None = None
 
 
 class _Device(NamedTuple):
@@ -170,7 +172,7 @@ def _with_floats(ring: _Ring, consts: tuple, floats) -> tuple:
 class _Tile(NamedTuple):
     """One query chunk against one key chunk (per device layout, G query heads per
     key/value head): q `(B, K, G, c, D)`, k `(B, K, c, D)`, v `(B, K, c, Dv)`, global
-    positions `(c,)`, segment ids `(B, c)` or None."""
+    positions `(c,)`, segment ids `(B, c)` or None, the bad keys `(B, K, c)` or None."""
 
     q: jax.Array
     k: jax.Array
@@ -179,6 +181,7 @@ class _Tile(NamedTuple):
     k_pos: jax.Array
     q_ids: jax.Array | None
     k_ids: jax.Array | None
+    bad: jax.Array | None = None
 
     def rows_cols(self):
         return self.q_pos[:, None], self.k_pos[None, :]
@@ -206,17 +209,24 @@ def _when_any(allowed, fn, carry):
 
 
 def _fold(ring: _Ring, vis: Visibility, dev: _Device, state, tile: _Tile):
-    """Folds one tile into the online softmax `(m, l, acc)` `(B, K, G, c[, Dv])`."""
+    """Folds one tile into the online softmax `(m, l, acc)` `(B, K, G, c[, Dv])` and
+    `touched` `(B, K, G, c)`, the rows that may see a bad key (the engine's rule)."""
     allowed = _allowed(vis, dev, tile)
 
     def update(state):
-        m, l, acc = state
+        m, l, acc, touched = state
         s = score_logits(vis, _raw_scores(ring, tile), dev.heads, *tile.rows_cols())
         s = s if allowed is None else jnp.where(allowed, s, -jnp.inf)
         s = s.reshape(m.shape + s.shape[-1:])  # (B, K, G, c, c)
         m, l, p, correction = _softmax.online_step(m, l, s)
         pv = jnp.einsum("bkgns,bksd->bkgnd", p, tile.v.astype(_F(ring)))
-        return m, l, acc * correction[..., None] + pv
+        if tile.bad is not None:
+            seen = tile.bad[:, :, None, None, :]
+            if allowed is not None:
+                b, kh, g = s.shape[:3]
+                seen = seen & jnp.broadcast_to(allowed, (b, kh * g) + s.shape[-2:]).reshape(s.shape)
+            touched = touched | jnp.any(seen, axis=-1)
+        return m, l, acc * correction[..., None] + pv, touched
 
     return _when_any(allowed, update, state)
 
@@ -318,36 +328,40 @@ def _when_segments_meet(q_ids, kv_ids, fn, carry):
 
 
 def _forward(ring: _Ring, a: _Arrays):
-    """Per device, in the ring's layout: `(out (B, H, N/P, Dv), lse (B, H, N/P))`,
-    lse the natural log of each row's softmax denominator (the sink's term included),
-    `-inf` on a row that sees no key and has no sink (its output is 0)."""
+    """Per device, in the ring's layout: `(out (B, H, N/P, Dv), lse (B, H, N/P),
+    touched, empty)`, lse the natural log of each row's softmax denominator (the sink's
+    term included), `-inf` on a row that sees no key and has no sink (its output is
+    0); touched and empty bool `(B, H, N/P)`: the rows that may see a bad key
+    (`a.bad_kv`), and those that see no key."""
     dev, vis, c = _device(ring, a), _visibility(ring, a), ring.chunk
     b, h, n, _ = a.q.shape
     kh = a.k.shape[1]
     queries = (_chunks(a.q.reshape(b, kh, h // kh, n, -1), c, 3), dev.q_pos.reshape(-1, c), _chunks(a.q_ids, c, 1))
     rows = (n // c, b, kh, h // kh, c)
-    carry = (jnp.full(rows, -jnp.inf, _F(ring)), jnp.zeros(rows, _F(ring)), jnp.zeros(rows + a.v.shape[-1:], _F(ring)))
+    carry = (jnp.full(rows, -jnp.inf, _F(ring)), jnp.zeros(rows, _F(ring)), jnp.zeros(rows + a.v.shape[-1:], _F(ring)),
+             jnp.zeros(rows, bool))
 
     def attend(t, carry, travel):
-        keys = _key_chunks(ring, dev, t, *travel)
+        keys = (*_key_chunks(ring, dev, t, *travel[:3]), _chunks(travel[3], c, 2))
 
         def one_query_chunk(args):
             (q_c, pos_c, ids_c), state = args[:3], args[3:]
 
             def one_key_chunk(state, key):
-                return _fold(ring, vis, dev, state, _Tile(q_c, key[0], key[1], pos_c, key[2], ids_c, key[3])), None
+                tile = _Tile(q_c, key[0], key[1], pos_c, key[2], ids_c, key[3], key[4])
+                return _fold(ring, vis, dev, state, tile), None
 
             return lax.scan(one_key_chunk, tuple(state), keys)[0]
 
         run = lambda carry: lax.map(one_query_chunk, (*queries, *carry))
         return _when_segments_meet(a.q_ids, travel[2], run, carry), travel
 
-    (m, l, acc), _ = _around(ring, attend, carry, (a.k, a.v, a.kv_ids))
+    (m, l, acc, touched), _ = _around(ring, attend, carry, (a.k, a.v, a.kv_ids, a.bad_kv))
     seen = l > 0
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
     out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
     heads = lambda x: _unchunk(x, 3).reshape((b, h, n) + x.shape[5:])  # (B, K, G, n, …) → (B, H, n, …)
-    return _softmax.with_sinks(heads(out), heads(lse), a.sinks)
+    return (*_softmax.with_sinks(heads(out), heads(lse), a.sinks), heads(touched), heads(~seen))
 
 
 def _backward_step(ring: _Ring, a: _Arrays, dev: _Device, queries, t, state, travel):
@@ -454,6 +468,7 @@ def _from_striped(ring: _Ring, x, axis: int):
 
 def _in_ring_layout(ring: _Ring, a: _Arrays) -> _Arrays:
     return a._replace(q=_to_striped(ring, a.q, 2), k=_to_striped(ring, a.k, 2), v=_to_striped(ring, a.v, 2),
+                      bad_kv=_to_striped(ring, a.bad_kv, 2),
                       q_ids=_to_striped(ring, a.q_ids, 1), kv_ids=_to_striped(ring, a.kv_ids, 1))
 
 
@@ -465,7 +480,8 @@ def _specs(ring: _Ring, a: _Arrays):
     replicated = lambda xs: tuple(PartitionSpec() for _ in xs)
     specs = _Arrays(seq, seq, seq, given(a.q_len, rows), given(a.kv_len, rows), given(a.q_ids, ids),
                     given(a.kv_ids, ids), replicated(a.score_consts), replicated(a.mask_consts),
-                    given(a.sinks, PartitionSpec(ring.head_axis)))
+                    given(a.sinks, PartitionSpec(ring.head_axis)),
+                    given(a.bad_kv, PartitionSpec(ring.batch_axis, ring.head_axis, ring.axis_name)))
     return specs, seq, PartitionSpec(ring.batch_axis, ring.head_axis, ring.axis_name)
 
 
@@ -473,25 +489,27 @@ def _sharded_forward(ring: _Ring, a: _Arrays):
     specs, seq, rows = _specs(ring, a)
 
     def per_device(a):
-        out, lse = _forward(ring, _in_ring_layout(ring, a))
-        return _from_striped(ring, out, 2), _from_striped(ring, lse, 2)
+        return tuple(_from_striped(ring, x, 2) for x in _forward(ring, _in_ring_layout(ring, a)))
 
-    return jax.shard_map(per_device, mesh=ring.mesh, in_specs=(specs,), out_specs=(seq, rows), check_vma=False)(a)
+    return jax.shard_map(per_device, mesh=ring.mesh, in_specs=(specs,), out_specs=(seq, rows, rows, rows),
+                         check_vma=False)(a)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring(ring: _Ring, a: _Arrays):
-    """`(out (B, H, N, Dv), lse float (B, H, N))`, in the caller's layout."""
+    """`(out (B, H, N, Dv), lse float (B, H, N), touched, empty)`, in the caller's
+    layout (`_forward`)."""
     return _sharded_forward(ring, a)
 
 
 def _ring_fwd(ring: _Ring, a: _Arrays):
-    out, lse = _sharded_forward(ring, a)
-    return (out, lse), (a, out, lse)
+    out, lse, touched, empty = _sharded_forward(ring, a)
+    return (out, lse, touched, empty), (a, out, lse)
 
 
 def _ring_bwd(ring: _Ring, residuals, cotangents):
     a, out, lse = residuals
+    cotangents = cotangents[:2]  # touched and empty are boolean
     specs, seq, rows = _specs(ring, a)
 
     def per_device(a, out, lse, d_out, d_lse):
@@ -610,7 +628,7 @@ def _check_divisible(n: int, size: int, striped: bool, axis_name: str) -> None:
                          f"(mesh axis {axis_name!r} has {size} devices); pad the sequence and pass kv_lengths")
 
 
-def _plan(vis: Visibility, q, k, v, *, mesh, axis_name, scale, query_chunk_size, batch_axis_name,
+def _plan(vis: Visibility, q, k, v, bad_kv, *, mesh, axis_name, scale, query_chunk_size, batch_axis_name,
           head_axis_name) -> tuple[_Ring, _Arrays]:
     """`(the static plan, the global arrays)` of one call."""
     b, h, n, _ = q.shape
@@ -639,7 +657,7 @@ def _plan(vis: Visibility, q, k, v, *, mesh, axis_name, scale, query_chunk_size,
     lengths = lambda x: None if x is None else jnp.broadcast_to(x.reshape(-1), (b,))
     ids = lambda x: None if x is None else jnp.broadcast_to(x.reshape(x.shape[0], n), (b, n))
     a = _Arrays(q, k, v, lengths(vis.q_lengths), lengths(vis.kv_lengths), ids(vis.q_segment_ids),
-                ids(vis.kv_segment_ids), score_consts, mask_consts, vis.sinks)
+                ids(vis.kv_segment_ids), score_consts, mask_consts, vis.sinks, bad_kv)
     return ring, _placed(ring, a)
 
 
@@ -667,16 +685,13 @@ def _attend(q, k, v, call: Call, *, mask=None, bias=None, mesh: Mesh, axis_name:
     scale = _validate.check_options(scale, 0.0, None, True, "zero", vis.is_causal, q.shape[-1])
     sinks, bad_heads = _softmax.sanitize_sinks(vis.sinks)
     vis = dataclasses.replace(vis, sinks=sinks)
-    ring, a = _plan(vis, q, k, v, mesh=mesh, axis_name=axis_name, scale=scale, query_chunk_size=query_chunk_size,
-                    batch_axis_name=batch_axis_name, head_axis_name=head_axis_name)
-    out, lse = _ring(ring, a)
-    if sinks is not None:  # a non-finite sink: every row of its head NaN, as on every path
-        bad = lax.broadcast_to_rank(bad_heads, lse.ndim)
-        out, lse = jnp.where(bad[..., None], jnp.nan, out), jnp.where(bad, jnp.nan, lse)
-    if vis.q_lengths is not None:  # a cut row sees no key, but its sink would still count
-        rows = jnp.arange(ring.n, dtype=jnp.int32).reshape(1, 1, -1)
-        lse = jnp.where(rows < vis.q_lengths[..., 0], lse, -jnp.inf)
-    return out.astype(q.dtype), lse.astype(jnp.float32)
+    q, k, v, bad_q, bad_kv = _softmax.sanitize(q, k, v)  # the steps every path runs between (`_dispatch`)
+    ring, a = _plan(vis, q, k, v, bad_kv, mesh=mesh, axis_name=axis_name, scale=scale,
+                    query_chunk_size=query_chunk_size, batch_axis_name=batch_axis_name, head_axis_name=head_axis_name)
+    out, lse, touched, empty = _ring(ring, a)
+    poisoned = _softmax.poisoned_rows(touched, bad_q, empty, bad_heads)
+    out, _ = _softmax.finish(out, None, empty, poisoned, v, bad_kv, vis.q_lengths, "zero", sinks is not None)
+    return out.astype(q.dtype), _softmax.finish_lse(lse, poisoned, vis.q_lengths, ring.n)
 
 
 # ---------------------------------------------------------------------------------

@@ -19,10 +19,11 @@ B, H, K, N, S, D = 2, 4, 2, 7, 11, 8
 SINKS = np.array([0.5, np.nan, np.inf, -np.inf], np.float32)  # head 0 finite, heads 1-3 not
 
 
-def cpu_paths(part: str) -> list[str]:
-    """The registered paths that run on this CPU (interpreted kernels included) and take `part`."""
+def cpu_paths(part: str | None = None) -> list[str]:
+    """The registered paths that run on this CPU (interpreted kernels included) and take
+    `part` (every one of them for None)."""
     return [name for name, path in _dispatch.REGISTRY.items()
-            if part in path.takes and (not path.platforms or path.interprets)]
+            if (part is None or part in path.takes) and (not path.platforms or path.interprets)]
 
 
 def inputs(rng, n=N, s=S):
@@ -67,6 +68,40 @@ def test_traced_non_finite_sinks_make_their_heads_nan_on_every_path(rng, path):
     np.testing.assert_allclose(out[:, :1], np.asarray(want)[:, :1], atol=2e-5, rtol=1e-4)
     if lse is not None:
         np.testing.assert_allclose(lse[:, :1], np.asarray(want_lse)[:, :1], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("path", cpu_paths() + ["ring"])
+def test_a_non_finite_input_makes_nan_exactly_the_rows_that_see_it(rng, path, where):
+    """One NaN entry of q (its row), of k or v (the key of position 5 under a causal
+    pattern: rows 5… see it): those rows NaN in the output and the lse, every other row
+    equal to the float64 reference without the bad entry, on every path and ring."""
+    n = S
+    q, k, v = inputs(rng, n=n)
+    arrays = dict(q=q, k=k, v=v)
+    arrays[where] = arrays[where].at[0, 1, 5, 3].set(jnp.nan)  # batch 0; query head 1 or kv head 1
+    kw = dict(is_causal=True, return_residual=True)
+    if path == "ring":
+        out, lse = jax.jit(lambda a: ring(**a, **kw))(arrays)
+    elif "return_residual" in _dispatch.REGISTRY[path].takes:
+        out, lse = jax.jit(lambda a: attention(**a, implementation=path, **kw))(arrays)
+    else:
+        out, lse = jax.jit(lambda a: attention(**a, implementation=path, is_causal=True))(arrays), None
+    rows = np.arange(n)
+    bad = np.zeros((B, H, n), bool)
+    if where == "q":
+        bad[0, 1, 5] = True
+    else:  # kv head 1 serves query heads 2 and 3; causal: rows 5… see key 5
+        bad[0, 2:4, rows >= 5] = True
+    np.testing.assert_array_equal(np.isnan(np.asarray(out)).any(-1), bad)
+    if lse is not None:
+        np.testing.assert_array_equal(np.isnan(np.asarray(lse)), bad)
+    with x64():
+        allowed = np_allowed((B, H, n, n), is_causal=True)
+        want, want_lse = jax_reference(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)), allowed, return_lse=True)
+    np.testing.assert_allclose(np.asarray(out)[~bad], np.asarray(want)[~bad], atol=2e-5, rtol=1e-4)
+    if lse is not None:
+        np.testing.assert_allclose(np.asarray(lse)[~bad], np.asarray(want_lse)[~bad], atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("path", cpu_paths("sinks") + ["ring", "statistics"])
