@@ -221,7 +221,7 @@ def decode_pattern(offset, n: int, length: int, local_window_size) -> jax.Array:
     `_masking`: causal, and the window. Only for a caller's own `attention_fn`, which
     takes no query offset; the library's path reads the offset from the description."""
     window = _masking.canonical_window(local_window_size)
-    vis = _masking.Visibility(n, length, is_causal=True, window=window, q_offset=offset)
+    vis = _masking.Pattern(n, length, is_causal=True, window=window, q_offset=offset)
     return _masking.dense_allowed(vis, 2)
 
 

@@ -1,7 +1,11 @@
-"""The one description of which (query, key) pairs may attend, and with what bias.
+"""The one description of which (query, key) pairs may attend, and with what logits.
 
 `jax_mha.attention` validates its arguments and builds one `Visibility` (a frozen
-dataclass, a pytree whose arrays are leaves); every path reads that object: the
+dataclass, a pytree whose arrays are leaves): a `Pattern` (who may attend: causality,
+window, lengths, segments, dense mask, `mask_mod`), extended by what changes the logits
+(bias, `score_mod`, soft cap, sinks); the rest of a call (shapes, dtypes, platform,
+outputs) is a `Call`. Key ranges and block schedules read only the `Pattern`. Every
+path reads the description: the
 reference builds the pattern whole (`dense_allowed`), the blockwise engine evaluates it
 one `(rows, keys)` block at a time (`block_allowed`) and skips the key blocks it rules
 out (`key_range`, segment-id ranges), and the cuDNN path translates it to
@@ -49,30 +53,24 @@ class Window(NamedTuple):
     right: int | None
 
 
-_STATIC = ("n", "s", "is_causal", "window", "score_mod", "mask_mod", "logits_soft_cap", "batch_shape", "num_heads",
-           "segments_shared")
-
-
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["mask", "bias", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids", "q_offset",
-                 "q_start", "sinks", "schedule"],
-    meta_fields=list(_STATIC),
+    data_fields=["mask", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids", "q_offset", "q_start",
+                 "schedule"],
+    meta_fields=["n", "s", "is_causal", "window", "mask_mod", "batch_shape", "num_heads", "segments_shared"],
 )
 @dataclasses.dataclass(frozen=True)
-class Visibility:
-    """Which pairs may attend, and the bias added to their logits. Static parts are
-    Python values (pytree metadata); arrays are leaves (traced under jit).
-
-    `jax_mha.attention` builds it once, in the public layout below (`public`); the
-    blockwise engine keeps a copy of the arrays in its own layout (`jax_mha.paths.engine`).
+class Pattern:
+    """Who may attend: which (query, key) pairs are visible. Static parts are Python
+    values (pytree metadata); arrays are leaves (traced under jit). Key ranges, block
+    skipping and block schedules read only this (`key_range`, `block_allowed`,
+    `jax_mha.paths.schedules`); `Visibility` adds what changes the logits.
 
     Attributes:
       n, s: query and key lengths N and S.
       is_causal: the causal pattern (bottom-right aligned, see `offset`).
       window: a `Window`, or None for no window.
       mask: bool broadcastable to `(B…, H, N, S)`, True = may attend, or None.
-      bias: float broadcastable to `(B…, H, N, S)`, added to the scaled logits, or None.
       q_lengths, kv_lengths: int32 `(B…|1, 1, 1, 1)` (`lengths_at_rank`), or None.
       q_segment_ids: int32 `(B…|1, 1, N, 1)`; kv_segment_ids: int32 `(B…|1, 1, 1, S)`
         (`segments_at_rank`); both or neither.
@@ -81,14 +79,8 @@ class Visibility:
       q_start: the `q_idx` the mods see for query row 0 (an int or a traced int32
         scalar; None means 0). Decoding sets it to the cache index, so that the mods
         see the positions of the full pass; ring attention to the device's first row.
-      sinks: float `(H,)`, one logit per query head for a virtual key whose value is
-        zero (attention sinks; `sinks = 0` is the "off-by-one" softmax), in the space
-        of the scaled logits after the mods; or None. It takes part in every row's
-        softmax denominator and is never masked.
-      score_mod: `score_mod(score, batch, head, q_idx, kv_idx) -> score`, or None.
-      mask_mod: `mask_mod(batch, head, q_idx, kv_idx) -> bool`, or None.
-      logits_soft_cap: c > 0 (a Python float) or None.
-      Callables are static metadata: they hash by identity, so jit caches per function.
+      mask_mod: `mask_mod(batch, head, q_idx, kv_idx) -> bool`, or None. Callables
+        are static metadata: they hash by identity, so jit caches per function.
       batch_shape, num_heads: `B…` and H, for the mods' index arrays (`dense_heads`).
       segments_shared: the keys' segment ids are the queries' own array (given once,
         for self-attention): a kernel that reads one id array for both may take them
@@ -103,18 +95,13 @@ class Visibility:
     is_causal: bool = False
     window: Window | None = None
     mask: jax.Array | None = None
-    bias: jax.Array | None = None
     q_lengths: jax.Array | None = None
     kv_lengths: jax.Array | None = None
     q_segment_ids: jax.Array | None = None
     kv_segment_ids: jax.Array | None = None
     q_offset: int | jax.Array | None = None
     q_start: int | jax.Array | None = None
-    sinks: jax.Array | None = None
-    score_mod: object = None
     mask_mod: object = None
-    logits_soft_cap: float | None = None
-
     batch_shape: tuple = ()
     num_heads: int = 1
     segments_shared: bool = False
@@ -147,7 +134,7 @@ class Visibility:
         visible range `[lo, hi)` of row `i` moves right with `i` and keeps its
         unclipped width, so rows 0 and N - 1 are the only ones that can lose it."""
         if (self.mask is not None or self.q_lengths is not None or self.kv_lengths is not None or self.segmented
-                or self.mask_mod is not None or self.score_mod is not None):
+                or self.mask_mod is not None):
             return False
         if not isinstance(self.offset, int):
             return False
@@ -165,7 +152,44 @@ class Visibility:
         )
 
 
-def positional(vis: Visibility, rows: jax.Array, cols: jax.Array) -> jax.Array | None:
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["mask", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids", "q_offset", "q_start",
+                 "schedule", "bias", "sinks"],
+    meta_fields=["n", "s", "is_causal", "window", "mask_mod", "batch_shape", "num_heads", "segments_shared",
+                 "score_mod", "logits_soft_cap"],
+)
+@dataclasses.dataclass(frozen=True)
+class Visibility(Pattern):
+    """The one description of a call: its `Pattern` (who may attend), and what changes
+    the logits of the visible pairs. `jax_mha.attention` builds it once, in the public
+    layout (`public`); the blockwise engine keeps a copy of the arrays in its own
+    layout (`jax_mha.paths.engine`). What the call asks beyond it (shapes, dtypes,
+    platform, outputs) is a `Call`.
+
+    Attributes (besides `Pattern`'s):
+      bias: float broadcastable to `(B…, H, N, S)`, added to the scaled logits, or None.
+      score_mod: `score_mod(score, batch, head, q_idx, kv_idx) -> score`, or None (static).
+      logits_soft_cap: c > 0 (a Python float) or None.
+      sinks: float `(H,)`, one logit per query head for a virtual key whose value is
+        zero (attention sinks; `sinks = 0` is the "off-by-one" softmax), in the space
+        of the scaled logits after the mods; or None. It takes part in every row's
+        softmax denominator and is never masked.
+    """
+
+    bias: jax.Array | None = None
+    score_mod: object = None
+    logits_soft_cap: float | None = None
+    sinks: jax.Array | None = None
+
+    @property
+    def every_row_sees_a_key(self) -> bool:
+        """`Pattern.every_row_sees_a_key`, and no `score_mod` (which may mask a key by
+        returning -inf)."""
+        return self.score_mod is None and Pattern.every_row_sees_a_key.fget(self)
+
+
+def positional(vis: Pattern, rows: jax.Array, cols: jax.Array) -> jax.Array | None:
     """Causal and window constraints for query positions `rows` and key positions
     `cols` (broadcasting int arrays, e.g. `(bq, 1)` and `(1, bk)`), or None."""
     diagonal = rows + vis.offset  # the key position of each query
@@ -185,7 +209,7 @@ def positional(vis: Visibility, rows: jax.Array, cols: jax.Array) -> jax.Array |
 
 
 def block_allowed(
-    vis: Visibility, rows: jax.Array, cols: jax.Array, mask_block: jax.Array | None, rank: int,
+    vis: Pattern, rows: jax.Array, cols: jax.Array, mask_block: jax.Array | None, rank: int,
     segments: tuple[jax.Array, jax.Array] | None = None, heads: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array | None:
     """Bool for one block of scores, or None when every pair in it may attend.
@@ -226,7 +250,7 @@ def block_allowed(
     return out
 
 
-def dense_allowed(vis: Visibility, rank: int) -> jax.Array | None:
+def dense_allowed(vis: Pattern, rank: int) -> jax.Array | None:
     """The whole `(…, N, S)` boolean pattern of rank `rank` (the reference path,
     cuDNN's translation, decoding), or None when every pair may attend."""
     rows = jnp.arange(vis.n)[:, None]
@@ -289,10 +313,11 @@ class Call(NamedTuple):
     return_residual: bool = False
 
 
-def dense_heads(vis: Visibility, rank: int, batch: tuple | None = None, heads: int | None = None):
+def dense_heads(vis: Pattern, rank: int, batch: tuple | None = None, heads: int | None = None):
     """`(batch index (B…, 1, 1, 1), head index (1…, H, 1, 1))` int32 for the mods,
-    from the shapes in `batch`/`heads` (None: read from `vis.batch_shape`)."""
-    if vis.score_mod is None and vis.mask_mod is None:
+    from the shapes in `batch`/`heads` (None: read from `vis.batch_shape`); None when
+    there is no mod (a `Pattern` has only `mask_mod`, a `Visibility` `score_mod` too)."""
+    if vis.mask_mod is None and getattr(vis, "score_mod", None) is None:
         return None
     batch = vis.batch_shape if batch is None else batch
     heads = vis.num_heads if heads is None else heads
@@ -319,7 +344,7 @@ def score_logits(vis: Visibility, s: jax.Array, heads, rows, cols) -> jax.Array:
     return soft_cap(s, vis.logits_soft_cap)
 
 
-def key_range(vis: Visibility, first_row, last_row, s: int):
+def key_range(vis: Pattern, first_row, last_row, s: int):
     """Key positions `[lo, hi)` that queries `first_row … last_row` can see by
     causality and window (lengths and masks are not consulted). Python ints in give
     Python ints out; traced ints give traced ints, clipped to `[0, s]`."""
@@ -338,7 +363,7 @@ def key_range(vis: Visibility, first_row, last_row, s: int):
     return jnp.clip(lo, 0, s), jnp.clip(hi, 0, s)
 
 
-def key_block_range(vis: Visibility, first_row, q_block: int, k_block: int, s_pad: int, q_lengths=None,
+def key_block_range(vis: Pattern, first_row, q_block: int, k_block: int, s_pad: int, q_lengths=None,
                     kv_lengths=None):
     """Key blocks `[lo, hi)` (int32 scalars) that query rows `first_row …
     first_row + q_block - 1` may see: by causality and the window (`key_range`),

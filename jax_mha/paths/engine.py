@@ -58,7 +58,16 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from jax_mha._masking import Visibility, Window, block_allowed, compute_dtype, key_block_range, key_range, score_logits
+from jax_mha._masking import (
+    Pattern,
+    Visibility,
+    Window,
+    block_allowed,
+    compute_dtype,
+    key_block_range,
+    key_range,
+    score_logits,
+)
 from jax_mha._softmax import logits_grad, online_step, output_delta
 from jax_mha.paths.linear_map import linear_call
 
@@ -471,7 +480,7 @@ def _visible(plan: Plan, a: Arrays, g, i0, j, lo, hi):
         ok = ok & (jnp.min(q_ids) <= jnp.max(kv_ids)) & (jnp.min(kv_ids) <= jnp.max(q_ids))
     if plan.mask_mod is not None:
         vis = _visibility(plan, a)
-        only_mod = Visibility(vis.n, vis.s, mask_mod=vis.mask_mod, q_start=vis.q_start)
+        only_mod = Pattern(vis.n, vis.s, mask_mod=vis.mask_mod, q_start=vis.q_start)
         rows, cols = _block_indices(plan, i0, j * plan.k_block)
         ok = ok & jnp.any(block_allowed(only_mod, rows, cols, None, 4, None, _mod_heads(plan, a, g)))
     return ok
@@ -1154,7 +1163,7 @@ def _traced_offset_bands(plan: Plan) -> tuple[int, int]:
     and the rows that see a key block, at the worst alignment to the blocks."""
     nk, nrg = plan.num_key_blocks, plan.n_pad // plan.q_block
     far = 4 * (plan.n_pad + plan.s_pad)
-    lo, hi = key_range(Visibility(1, 8 * far, plan.is_causal, plan.window, q_offset=far), 0, 0, 8 * far)
+    lo, hi = key_range(Pattern(1, 8 * far, plan.is_causal, plan.window, q_offset=far), 0, 0, 8 * far)
     width = hi - lo
     if width >= far:  # unbounded on one side
         return nk, nrg
@@ -1176,7 +1185,7 @@ def _bands(plan: Plan) -> tuple[int, int]:
             by_table = _widest(table[:, 0], np.maximum(table[:, 1], table[:, 0]), nk)
             band, q_band = min(band, by_table[0]), min(q_band, by_table[1])
         return band, q_band
-    vis = Visibility(plan.n, plan.s, plan.is_causal, plan.window, q_offset=plan.offset or 0)
+    vis = Pattern(plan.n, plan.s, plan.is_causal, plan.window, q_offset=plan.offset or 0)
     ranges = np.array([key_range(vis, i0, i0 + plan.q_block - 1, plan.s_pad)
                        for i0 in range(0, plan.n_pad, plan.q_block)], np.int64)
     lo, hi = ranges[:, 0] // plan.k_block, -(-ranges[:, 1] // plan.k_block)

@@ -131,10 +131,10 @@ def _traced(cfg: Config) -> bool:
     return cfg.offset is None or cfg.start is None
 
 
-def _pattern(cfg: Config, r) -> _masking.Visibility:
+def _pattern(cfg: Config, r) -> _masking.Pattern:
     """Causality and the window at the call's offset (static, or read in the kernel)."""
     offset = r["pos"][0] if cfg.offset is None else cfg.offset
-    return _masking.Visibility(cfg.n, cfg.s, cfg.is_causal, cfg.window, q_offset=offset)
+    return _masking.Pattern(cfg.n, cfg.s, cfg.is_causal, cfg.window, q_offset=offset)
 
 
 def _start(cfg: Config, r):

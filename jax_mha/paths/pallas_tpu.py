@@ -163,7 +163,7 @@ def _ranged_mask_class():
     return RangedMask
 
 
-def _ranged_mask(inner, pattern: _masking.Visibility):
+def _ranged_mask(inner, pattern: _masking.Pattern):
     """`inner` (a splash mask of shape `(n_pad, s_pad)`) with each row's visible keys
     `[lo, hi)` read from `pattern`'s `key_range` (causality and the window only)."""
     n_pad, s_pad = inner.shape
@@ -189,8 +189,8 @@ def _kernel(n_pad, s_pad, heads, is_causal, window, offset, block_q, block_kv, s
         mask = sm.CausalMask(shape, offset=offset)
     else:
         mask = sm.FullMask(shape)
-    pattern = _masking.Visibility(n_pad, s_pad, is_causal, None if window is None else _masking.Window(*window),
-                                  q_offset=offset)
+    pattern = _masking.Pattern(n_pad, s_pad, is_causal, None if window is None else _masking.Window(*window),
+                               q_offset=offset)
     mask = _ranged_mask(mask, pattern)
     dq_blocks = {} if fused else dict(block_q_dq=block_q, block_kv_dq=block_kv)
     sizes = sk.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
@@ -238,7 +238,7 @@ def run(q, k, v, vis: _masking.Visibility, *, scale: float, interpret: bool) -> 
         kernel = _kernel(n_pad, s_pad, local_heads, bool(vis.is_causal),
                          None if vis.window is None else tuple(vis.window), offset, block_q, block_kv,
                          vis.logits_soft_cap, bool(interpret), s_pad // block_kv <= FUSED_BWD_MAX_KV_BLOCKS)
-    pattern = _masking.Visibility(n, s, vis.is_causal, vis.window, q_offset=offset)
+    pattern = _masking.Pattern(n, s, vis.is_causal, vis.window, q_offset=offset)
     seen_pad = s_pad > s and _masking.key_range(pattern, n - 1, n - 1, s_pad)[1] > s  # a real query sees padding
     arrays = {}
     if vis.segmented or vis.q_lengths is not None or vis.kv_lengths is not None or seen_pad:

@@ -5,7 +5,7 @@ visit and which of them are fully visible (FlexAttention's `BlockMask`, built by
 A kernel walks `kv_index[b, h, r, :kv_count[b, h, r]]` for query block `r`; on a
 block with `kv_full` set it skips the per-element mask (every real pair is visible),
 on the others it evaluates `_masking.block_allowed` as before. Which pairs are visible
-is read from the one description, `_masking.Visibility`; this module only bounds it
+is read from the description's pattern, `_masking.Pattern` (who may attend); this module only bounds it
 per block, from four sources that are each cheap:
 
 * positions, lengths and tails: analytic from each block's first and last row and key
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src.interpreters import partial_eval as pe
 
-from jax_mha._masking import Visibility, key_range, num_blocks
+from jax_mha._masking import Pattern, key_range, num_blocks
 
 _ARRAYS = ["kv_count", "kv_index", "kv_full", "q_count", "q_index", "q_full"]
 
@@ -79,7 +79,7 @@ def _flat_batch(x: jax.Array, batch: tuple) -> jax.Array:
     return jnp.broadcast_to(x, tuple(batch) + tail).reshape((math.prod(batch),) + tail)
 
 
-def _range_classes(vis: Visibility, q_block: int, k_block: int) -> tuple[jax.Array, jax.Array]:
+def _range_classes(vis: Pattern, q_block: int, k_block: int) -> tuple[jax.Array, jax.Array]:
     """`(visited, full)`, bool `(Bs|1, 1, nq, nk)`, by causality, the window, the
     lengths and the tails: exact for these together.
 
@@ -111,7 +111,7 @@ def _id_ranges(ids: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
     return jnp.min(blocks, axis=-1), jnp.max(blocks, axis=-1)
 
 
-def _segment_classes(vis: Visibility, q_block: int, k_block: int) -> tuple[jax.Array, jax.Array]:
+def _segment_classes(vis: Pattern, q_block: int, k_block: int) -> tuple[jax.Array, jax.Array]:
     """`(visited, full)`, bool `(Bs|1, 1, nq, nk)`, by the segment ids: visited iff
     the blocks' id ranges overlap (exact for sorted ids that no document skips), full
     iff both blocks hold one id and it is the same. Padding keys are left to
@@ -125,7 +125,7 @@ def _segment_classes(vis: Visibility, q_block: int, k_block: int) -> tuple[jax.A
     return visited, full
 
 
-def _mod_extent(vis: Visibility, q_block: int, s_pad: int) -> tuple[int, int]:
+def _mod_extent(vis: Pattern, q_block: int, s_pad: int) -> tuple[int, int]:
     """`(Bs, Hs)`: `prod(B…)` if `mask_mod`'s result depends on its batch index, else
     1, and likewise H for its head index: read from its jaxpr after dead-code
     elimination, so a mod that takes `b` and ignores it costs no batch axis."""
@@ -138,7 +138,7 @@ def _mod_extent(vis: Visibility, q_block: int, s_pad: int) -> tuple[int, int]:
     return (batch if used[0] else 1), (heads if used[1] else 1)
 
 
-def _mod_classes(vis: Visibility, q_block: int, k_block: int) -> tuple[jax.Array, jax.Array]:
+def _mod_classes(vis: Pattern, q_block: int, k_block: int) -> tuple[jax.Array, jax.Array]:
     """`(visited, full)`, bool `(Bs, Hs, nq, nk)`, by `mask_mod`: evaluated on one
     query block's `(Bs, Hs, q_block, S)` tile at a time (`lax.map`), so that the
     schedule never holds an N × S array, and reduced per key block to any over the
@@ -179,7 +179,7 @@ def _compact(visited: jax.Array, full: jax.Array) -> tuple[jax.Array, jax.Array,
     return count, index, full.astype(jnp.int32)
 
 
-def _check(vis: Visibility, q_block: int, k_block: int) -> None:
+def _check(vis: Pattern, q_block: int, k_block: int) -> None:
     """Raises ValueError for what the kernels cannot take or a bad block size."""
     if vis.mask is not None:
         raise ValueError(f"build_schedule takes no dense `mask` (got shape {tuple(vis.mask.shape)}); the flash "
@@ -189,7 +189,7 @@ def _check(vis: Visibility, q_block: int, k_block: int) -> None:
             raise ValueError(f"{name} must be a positive int, got {size!r}")
 
 
-def build_schedule(vis: Visibility, q_block: int, k_block: int) -> BlockSchedule:
+def build_schedule(vis: Pattern, q_block: int, k_block: int) -> BlockSchedule:
     """The block schedule of `vis` for blocks of `q_block` queries and `k_block` keys.
 
     Built once and reused (FlexAttention's `create_block_mask`): it depends on the
