@@ -1,10 +1,11 @@
 """The softmax recurrence every path shares, and the steps around it.
 
 - `online_step`: one block of scores folded into a row's running maximum and
-  normaliser (the online softmax of FlashAttention), called by the blockwise engine
-  (`engine`), the library's kernel (`flex`), ring attention (`ring`) and the
-  statistics (`_statistics`); `output_delta` and `logits_grad`, its backward (the
-  same three).
+  normaliser (the online softmax of FlashAttention), called by the library's kernel
+  (`flex`) and the statistics (`_statistics`), and through `fold_block` (the step
+  with the output and the rows that see a bad key) by the blockwise engine (`engine`)
+  and ring attention (`ring`); `output_delta` and `logits_grad`, its backward (the
+  engine, the kernel and ring).
 - `with_sinks` / `add_sink`: attention over the real keys merged with each head's sink,
   a key of logit `sinks[h]` and value zero (`merge_attentions` with a zero part).
 - `sanitize` before any path and `finish` / `finish_lse` after it: non-finite inputs
@@ -37,6 +38,31 @@ def online_step(m, l, s):
     p = jnp.exp(s - m_safe[..., None])
     correction = jnp.exp(m - m_safe)
     return m_new, l * correction + jnp.sum(p, axis=-1), p, correction
+
+
+def fold_block(carry, s, v, mix: str, seen=None):
+    """One block folded into each row's running softmax and output: the step the
+    blockwise engine and ring attention run for every block they visit.
+
+    Args:
+      carry: `(m, l, acc (…, rows, Dv), touched)`: `online_step`'s maximum and
+        normaliser, the output accumulated against `m` (in the accumulation dtype), and
+        bool `(…, rows)`, the rows that may see a bad key so far.
+      s: the block's logits `(…, rows, keys)`, -inf where masked.
+      v: the block's values, in the caller's layout and dtype.
+      mix: the einsum of the weights and `v` in that layout (`"…ns,…sd->…nd"`).
+      seen: bool `(…, rows, keys)`, the visible keys that are bad, or None.
+
+    Returns:
+      The carry with the block folded in. The weights enter the product in v's dtype
+      (FlashAttention's half-precision matmul), accumulated in acc's.
+    """
+    m, l, acc, touched = carry
+    m, l, p, correction = online_step(m, l, s)
+    pv = jnp.einsum(mix, p.astype(v.dtype), v, preferred_element_type=acc.dtype)
+    if seen is not None:
+        touched = touched | jnp.any(seen, axis=-1)
+    return m, l, acc * correction[..., None] + pv, touched
 
 
 def output_delta(g, out, g_lse):

@@ -214,19 +214,16 @@ def _fold(ring: _Ring, vis: Visibility, dev: _Device, state, tile: _Tile):
     allowed = _allowed(vis, dev, tile)
 
     def update(state):
-        m, l, acc, touched = state
         s = score_logits(vis, _raw_scores(ring, tile), dev.heads, *tile.rows_cols())
         s = s if allowed is None else jnp.where(allowed, s, -jnp.inf)
-        s = s.reshape(m.shape + s.shape[-1:])  # (B, K, G, c, c)
-        m, l, p, correction = _softmax.online_step(m, l, s)
-        pv = jnp.einsum("bkgns,bksd->bkgnd", p, tile.v.astype(_F(ring)))
+        s = s.reshape(state[0].shape + s.shape[-1:])  # (B, K, G, c, c)
+        seen = None
         if tile.bad is not None:
             seen = tile.bad[:, :, None, None, :]
             if allowed is not None:
                 b, kh, g = s.shape[:3]
                 seen = seen & jnp.broadcast_to(allowed, (b, kh * g) + s.shape[-2:]).reshape(s.shape)
-            touched = touched | jnp.any(seen, axis=-1)
-        return m, l, acc * correction[..., None] + pv, touched
+        return _softmax.fold_block(state, s, tile.v, "bkgns,bksd->bkgnd", seen)
 
     return _when_any(allowed, update, state)
 

@@ -68,7 +68,7 @@ from jax_mha._masking import (
     key_range,
     score_logits,
 )
-from jax_mha._softmax import logits_grad, online_step, output_delta
+from jax_mha._softmax import fold_block, logits_grad, output_delta
 from jax_mha.paths.linear_map import linear_call
 
 _SCORES = "bkqd,bkcd->bkqc"  # q kᵀ per block (also dq kᵀ, q dkᵀ, g vᵀ)
@@ -494,16 +494,13 @@ def _forward_rows(plan: Plan, a: Arrays, r):
     bk = plan.k_block
 
     def key_block(j, t, band, carry):
-        m, l, acc, touched = carry
         k_j, v_j = band.block("k", t, bk), band.block("v", t, bk)
         s, allowed = _scores(plan, a, q_i, k_j, g, i0, j * bk)
-        m_new, l_new, p, correction = online_step(m, l, s)
-        pv = jnp.einsum(_MIX, p.astype(v_j.dtype), v_j, preferred_element_type=_F(plan))
+        seen = None
         if a.bad_kv is not None:
-            bad_j = band.block("bad_kv", t, bk)[:, :, None, :]
-            seen = bad_j if allowed is None else allowed & bad_j
-            touched = touched | jnp.any(seen, axis=-1)
-        return m_new, l_new, acc * correction[..., None] + pv, touched
+            seen = band.block("bad_kv", t, bk)[:, :, None, :]
+            seen = seen if allowed is None else allowed & seen
+        return fold_block(carry, s, v_j, _MIX, seen)
 
     rows = a.q.shape[:2] + (plan.q_block,)
     init = (
