@@ -15,7 +15,6 @@ its own Python process sets its own XLA_FLAGS.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import io
@@ -268,29 +267,6 @@ def run_in(cwd: Path, main, argv) -> tuple[object, str]:
 def pytest_addoption(parser):
     parser.addoption("--full-matrix", action="store_true", default=False,
                      help="run every cell of tests/core/test_composition.py (CI runs a fixed-seed draw of them)")
-
-
-# `--dist loadfile` hands whole files to the two workers in the collection's order, a
-# worker taking the next file as it runs low (`--no-loadscope-reorder` in pyproject
-# keeps that order: xdist's own sorts by the number of tests, which puts the files of a
-# few long tests, training models or starting processes, last, where one worker runs
-# them alone). Longest first (the longest-processing-time rule): these files by their
-# seconds in one CI run on the 2-core Zen 3 (`pytest --durations`, their slowest tests
-# only), then every other file by its number of tests.
-SLOW_FILES = {
-    "test_anchors.py": 215, "test_readme.py": 125, "test_train.py": 110, "test_experiments.py": 90,
-    "test_ring_attention.py": 87, "test_multiprocess.py": 83, "test_ulysses.py": 62, "test_experiments_lm.py": 61,
-    "test_sequence_parallel.py": 57, "test_flex.py": 52, "test_experiments_analysis.py": 50, "test_patching.py": 48,
-    "test_induction_control.py": 43, "test_benchmark.py": 42, "test_experiments_studies.py": 37,
-    "test_device_benchmark.py": 36, "test_run_records.py": 34, "test_host_memory.py": 31, "test_parallel.py": 28,
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    """Orders the files longest first (`SLOW_FILES`), keeping each file's tests together
-    and in their order (a stable sort)."""
-    counts = collections.Counter(item.path for item in items)
-    items.sort(key=lambda item: (-SLOW_FILES.get(item.path.name, 0), -counts[item.path]))
 
 
 def pytest_sessionfinish(session):
