@@ -429,11 +429,19 @@ def flex_case(case: str, grid: common_flex.FlexGrid, n: int, d: int, arrays: dic
     return list(rows.values())
 
 
-def run_flex(grid: common_flex.FlexGrid, budget: float | None) -> dict:
+def run_flex(grid: common_flex.FlexGrid, budget: float | None, save=None) -> dict:
     """Every case of `grid` at every (N, D), smallest first, until `budget` seconds (None:
-    no limit) have passed: a case not started by then is recorded as skipped."""
+    no limit) have passed: a case not started by then is recorded as skipped. `save`,
+    when given, takes the result so far after every case (a stopped run keeps them)."""
     platform, kind = _dispatch.platform(), str(jax.devices()[0].device_kind)
     peak, start, rows, auto, stopped = peak_tflops(kind), time.monotonic(), [], [], False
+
+    def result() -> dict:
+        return dict(kind="device_benchmark_flex", device=kind, platform=platform, peak_bf16_tflops=peak,
+                    cases={case: common_flex.DESCRIPTIONS[case] for case in grid.cases},
+                    torch=common_flex.torch_version(), rows=rows, auto=auto, budget_s=budget, stopped_early=stopped,
+                    seconds=time.monotonic() - start, grid=dataclasses.asdict(grid), metadata=run_metadata(),
+                    time=time.time())
     for n, d in itertools.product(grid.seq, grid.head_dim):
         arrays = flex_arrays(grid, n, d)
         for case in grid.cases:
@@ -450,12 +458,10 @@ def run_flex(grid: common_flex.FlexGrid, budget: float | None) -> dict:
             for row in flex_case(case, grid, n, d, arrays, platform, peak):
                 rows.append(row)
                 print(format_flex_row(row), flush=True)
+            if save is not None:
+                save(result())
         del arrays
-    return dict(kind="device_benchmark_flex", device=kind, platform=platform, peak_bf16_tflops=peak,
-                cases={case: common_flex.DESCRIPTIONS[case] for case in grid.cases},
-                torch=common_flex.torch_version(), rows=rows, auto=auto, budget_s=budget, stopped_early=stopped,
-                seconds=time.monotonic() - start, grid=dataclasses.asdict(grid), metadata=run_metadata(),
-                time=time.time())
+    return result()
 
 
 def format_flex_row(row: dict) -> str:
@@ -495,9 +501,10 @@ def main(argv: list[str] | None = None) -> dict:
     names = (list(dict.fromkeys(n for case in grid.cases for n in flex_implementations(case))) if flex
              else implementations(platform, grid.dtype[0]))
     print(f"device: {jax.devices()[0].device_kind} ({platform}); implementations: {', '.join(names)}")
-    result = run_flex(grid, budget) if flex else run(grid, budget)
-    result["preset"] = preset
     out = Path(args.out or f"results/device_benchmark_{preset}.json")
+    result = run_flex(grid, budget, save=lambda partial: write_json(out, {**partial, "preset": preset})) if flex \
+        else run(grid, budget)
+    result["preset"] = preset
     write_json(out, result)
     print(f"wrote {out}" + (" (stopped early: the budget ran out)" if result["stopped_early"] else ""))
     if importlib.util.find_spec("matplotlib") is not None:

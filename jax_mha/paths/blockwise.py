@@ -51,6 +51,9 @@ QUERY_BLOCK_SIZE, KEY_BLOCK_SIZE = 2048, 256  # without a pattern to skip by
 PATTERN_BLOCK_SIZE = 512  # square blocks with a causal or window pattern
 NARROW_WINDOW = 1024  # a window spanning fewer keys than this gets square blocks of its span
 NARROW_MIN_BLOCK = 128  # narrower blocks make matmuls too small to run efficiently on CPU
+# `(unpatterned, patterned)` blocks by platform where a sweep on that device
+# (`experiments/engine_blocks.py`) chose other sizes than the CPU's above.
+DEVICE_BLOCKS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}
 
 
 def _pow2_at_least(x: int) -> int:
@@ -74,7 +77,7 @@ def mask_mod_span(vis: Visibility, n: int, s: int):
     return max(0, max(widths) - 1) * bk, sum(widths) < 0.75 * len(ranges) * (s_pad // bk)
 
 
-def default_blocks(is_causal: bool, window, span=None) -> tuple[int, int]:
+def default_blocks(is_causal: bool, window, span=None, platform: str = "cpu") -> tuple[int, int]:
     """`(query_block_size, key_block_size)` when the caller gives none.
 
     2048 x 256 without a pattern, 512 x 512 when causal or windowed; for a narrow band,
@@ -84,25 +87,28 @@ def default_blocks(is_causal: bool, window, span=None) -> tuple[int, int]:
     docs/performance.md).
     `span`: `mask_mod_span`'s `(span, sparse)` for a mask function, read the same way
     (a narrow span gets square blocks of about its width, a sparse one 512 x 512).
+    `platform`: where the call runs; `DEVICE_BLOCKS` replaces the unpatterned and
+    patterned sizes there.
     """
+    full, pattern = DEVICE_BLOCKS.get(platform, ((QUERY_BLOCK_SIZE, KEY_BLOCK_SIZE), (PATTERN_BLOCK_SIZE,) * 2))
     if span is not None and (window is None or window.left is None):
         width, sparse = span
         if width < NARROW_WINDOW:
             side = min(PATTERN_BLOCK_SIZE, max(NARROW_MIN_BLOCK, _pow2_at_least(width)))
             return side, side
         if sparse:
-            return PATTERN_BLOCK_SIZE, PATTERN_BLOCK_SIZE
+            return pattern
     right = None if window is None else (0 if is_causal else window.right)  # causal: no key after the query
     if window is not None and window.left is not None and right is not None and window.left + right < NARROW_WINDOW:
         side = min(PATTERN_BLOCK_SIZE, max(NARROW_MIN_BLOCK, _pow2_at_least(window.left + right)))
         return side, side
     if is_causal or window is not None:
-        return PATTERN_BLOCK_SIZE, PATTERN_BLOCK_SIZE
-    return QUERY_BLOCK_SIZE, KEY_BLOCK_SIZE
+        return pattern
+    return full
 
 
 def run_blockwise(q, k, v, vis: Visibility, *, scale: float, query_block_size=None, key_block_size=None,
-                        bad_kv=None):
+                  bad_kv=None, platform: str = "cpu"):
     """`run_engine` with blocks of at most `query_block_size x key_block_size`
     (clamped to N and S; None: `default_blocks`).
 
@@ -110,6 +116,7 @@ def run_blockwise(q, k, v, vis: Visibility, *, scale: float, query_block_size=No
       q: `(B…, H, N, D)`; k: `(B…, K, S, D)`; v: `(B…, K, S, Dv)`, finite.
       vis: the description (`jax_mha._masking.Visibility`, public layout).
       scale, bad_kv: see `run_engine`.
+      platform: where the call runs, for `default_blocks`.
 
     Returns:
       `(out (B…, H, N, Dv), lse (B…, H, N), touched (B…, H, N))`, as `run_engine`.
@@ -119,7 +126,7 @@ def run_blockwise(q, k, v, vis: Visibility, *, scale: float, query_block_size=No
     span = None
     if vis.mask_mod is not None and (query_block_size is None or key_block_size is None):
         span = mask_mod_span(vis, n, s)
-    q_default, k_default = default_blocks(vis.is_causal, vis.window, span)
+    q_default, k_default = default_blocks(vis.is_causal, vis.window, span, platform)
     q_block = q_default if query_block_size is None else query_block_size
     k_block = k_default if key_block_size is None else key_block_size
     return run_engine(q, k, v, vis, scale=scale, q_block=min(q_block, n), k_block=min(k_block, s), bad_kv=bad_kv)
@@ -129,9 +136,8 @@ def run(q, k, v, bad_kv, vis: Visibility, call, *, scale: float, blocks, **_):
     """The `"blockwise"` path (`Path.run`): `run_blockwise` with `blocks`
     `(query_block_size, key_block_size)`, each None for the default, and the sinks
     merged in."""
-    del call
     out, lse, touched = run_blockwise(q, k, v, vis, query_block_size=blocks[0], key_block_size=blocks[1],
-                                      scale=scale, bad_kv=bad_kv)
+                                      scale=scale, bad_kv=bad_kv, platform=call.platform)
     empty = lse == jnp.inf  # the engine's mark of a row with no visible key
     out, lse = with_sinks(out, jnp.where(empty, -jnp.inf, lse), vis.sinks)
     return out, None, lse, empty, touched
