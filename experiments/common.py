@@ -20,6 +20,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -548,22 +549,38 @@ def cpu_model() -> str:
 CHECKOUT = Path(__file__).resolve().parents[1]  # the repository the studies run from
 
 
-def _git(root: str | os.PathLike, *args: str) -> str | None:
+def _git(root: str | os.PathLike, *args: str, env: dict | None = None) -> str | None:
     """`git -C root args…`'s standard output; None if git fails or is missing."""
     try:
-        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30,
+                              env=None if env is None else {**os.environ, **env})
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout if done.returncode == 0 else None
 
 
 def git_state(root: str | os.PathLike = CHECKOUT) -> dict[str, Any]:
-    """`{"commit", "dirty"}` of the git checkout at `root`: the HEAD commit and whether
-    `git status --porcelain` lists any change (ignored files such as results/ do not
-    count); both None outside a checkout or without git."""
+    """`{"commit", "dirty", "tree"}` of the git checkout at `root`: the HEAD commit,
+    whether `git status --porcelain` lists any change (ignored files such as results/
+    do not count), and the hash of the files as they are (`git write-tree` of every
+    file git does not ignore, through a temporary index): it equals `git log
+    --format=%T` of the commit whose files ran, also where the checkout's HEAD is stale
+    (a copy of the working tree sent to a device machine). All None outside a checkout
+    or without git."""
     commit = _git(root, "rev-parse", "HEAD")
     status = _git(root, "status", "--porcelain") if commit is not None else None
-    return {"commit": commit.strip() if commit else None, "dirty": None if status is None else bool(status.strip())}
+    return {"commit": commit.strip() if commit else None, "dirty": None if status is None else bool(status.strip()),
+            "tree": None if commit is None else working_tree_hash(root)}
+
+
+def working_tree_hash(root: str | os.PathLike = CHECKOUT) -> str | None:
+    """The git tree hash of the files at `root` as they are now (None without git)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"GIT_INDEX_FILE": os.path.join(tmp, "index")}
+        if _git(root, "add", "-A", ".", env=env) is None:
+            return None
+        tree = _git(root, "write-tree", env=env)
+    return tree.strip() if tree else None
 
 
 def file_state(path: str | os.PathLike) -> dict[str, Any]:

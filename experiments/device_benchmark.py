@@ -418,7 +418,8 @@ def flex_case(case: str, grid: common_flex.FlexGrid, n: int, d: int, arrays: dic
             args = (*arrays["bnhd" if name.startswith("jax.nn") else "bhnd"], arrays["params"])
             for p, backward in (("forward", False), ("forward_backward", True)):
                 step = flex_jax_step(name, case, grid, n, backward)
-                steps[name, p] = lambda step=step: jax.block_until_ready(step(*args))
+                # args bound now: a closure would see the last implementation's layout
+                steps[name, p] = lambda step=step, args=args: jax.block_until_ready(step(*args))
     jax_steps = frozenset(key for key in steps if not key[0].startswith("torch"))
     for (name, p), cell in common_flex.round_robin(steps, grid.repeats, concurrent=jax_steps).items():
         if "ms" in cell:

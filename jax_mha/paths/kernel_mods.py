@@ -21,6 +21,7 @@ read's cotangent is added back into the const's gradient at the same indices
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -44,13 +45,21 @@ class _Trailing:
         self.parts = list(parts)
 
 
+# A read that reaches at most this many entries of a const (a relative-position table's
+# row of buckets) adds its cotangent entry by entry: summed over the tile first, then
+# one add per entry. Per element, every pair of the tile would add into those few
+# addresses, and a GPU's atomics on one address run one after another.
+PER_ENTRY_MAX = 64
+
+
 class Read(NamedTuple):
     """One read of a const: `values = const[indices]` (indices int32, broadcast to
-    the values' shape)."""
+    the values' shape; `parts` the same indices before broadcasting)."""
 
     const: int
     indices: tuple
     values: jax.Array
+    parts: tuple
 
 
 def _materialize(x):
@@ -75,13 +84,13 @@ def _gather(eqn, operand: _Captured, parts, state):
     """The gathered values: given (`state.reads` set) or loaded from the ref."""
     shape = jnp.broadcast_shapes(*(p.shape for p in parts))
     # Out-of-range indices are clamped: a kernel must not read past the array.
-    indices = tuple(jnp.broadcast_to(jnp.clip(p.astype(jnp.int32), 0, dim - 1), shape)
-                    for p, dim in zip(parts, operand.shape))
+    clipped = tuple(jnp.clip(p.astype(jnp.int32), 0, dim - 1) for p, dim in zip(parts, operand.shape))
+    indices = tuple(jnp.broadcast_to(p, shape) for p in clipped)
     if state.given is not None:
         values = state.given[len(state.reads)]
     else:
         values = operand.ref[indices] if indices else operand.ref[...]
-    state.reads.append(Read(operand.index, indices, values))
+    state.reads.append(Read(operand.index, indices, values, clipped))
     return values
 
 
@@ -149,13 +158,37 @@ def scatter_add(grad_refs, reads, cotangents, atomic: bool):
         ref = grad_refs[read.const]
         if ref is None:
             continue
-        ct = jnp.broadcast_to(ct, read.values.shape).astype(ref.dtype)
+        indices, ct = _per_entry(read, ref.shape, jnp.broadcast_to(ct, read.values.shape).astype(ref.dtype))
         if atomic:
             from jax.experimental.pallas import triton as plgpu
 
-            plgpu.atomic_add(ref, read.indices, ct)
+            plgpu.atomic_add(ref, indices, ct)
         else:  # one program at a time: a scatter-add of the whole array (indices may repeat)
-            ref[...] = ref[...].at[read.indices].add(ct) if read.indices else ref[...] + ct
+            ref[...] = ref[...].at[indices].add(ct) if indices else ref[...] + ct
+
+
+def _per_entry(read: Read, shape: tuple, ct):
+    """`(indices, cotangents)` to add for one read: as read, or, when the tile's indices
+    reach at most `PER_ENTRY_MAX` entries of the const, `(1, E)` with one sum per entry
+    (E a power of two, as Triton's tiles; lanes past the entries add 0 to the last)."""
+    varying = [a for a, p in enumerate(read.parts) if p.size > 1]
+    entries = math.prod(shape[a] for a in varying)
+    if not varying or entries > PER_ENTRY_MAX or entries >= ct.size:
+        return read.indices, ct
+    flat = 0
+    for a in varying:
+        flat = flat * shape[a] + read.parts[a]
+    lanes = 1 << max(entries - 1, 0).bit_length()
+    lane = lax.broadcasted_iota(jnp.int32, (1, lanes), 1)
+    sums = jnp.zeros((1, lanes), ct.dtype)
+    for e in range(entries):
+        sums = jnp.where(lane == e, jnp.sum(jnp.where(flat == e, ct, 0.0)), sums)
+    rest, coords = jnp.minimum(lane, entries - 1), {}
+    for a in reversed(varying):
+        coords[a], rest = rest % shape[a], rest // shape[a]
+    indices = tuple(coords[a] if a in coords else jnp.broadcast_to(p.reshape(1, 1), (1, lanes))
+                    for a, p in enumerate(read.parts))
+    return indices, sums
 
 
 def lane_indices(first, size: int, axis: int, length: int):

@@ -203,3 +203,27 @@ def test_decoding_chunks_at_a_traced_cache_index_run_on_the_kernel(kernel):
         return jnp.concatenate(outs, axis=-2)
 
     chex.assert_trees_all_close(steps(kernel), steps("xla"), atol=f32_tolerance(terms=TERMS, magnitude=1.0))
+
+
+@pytest.mark.parametrize("shape, varying", [((5, 7), (1,)), ((3, 4, 5), (0, 2)), ((2, 40), (1,)), ((4, 100), (1,))])
+def test_a_read_of_a_few_entries_adds_its_cotangent_entry_by_entry(shape, varying):
+    """`kernel_mods._per_entry` (the sums a GPU adds atomically, one per entry) adds up
+    to the same gradient as adding every element's cotangent at its index; a read of
+    more than `PER_ENTRY_MAX` entries (`(4, 100)`) is left element by element."""
+    from jax_mha.paths import kernel_mods
+
+    rng = np.random.default_rng(sum(shape))
+    tile = (11, 13)
+    parts = tuple(jnp.asarray(rng.integers(0, dim, tile), jnp.int32) if a in varying
+                  else jnp.full((1, 1), rng.integers(0, dim), jnp.int32) for a, dim in enumerate(shape))
+    indices = tuple(jnp.broadcast_to(p, tile) for p in parts)
+    ct = jnp.asarray(rng.standard_normal(tile), jnp.float32)
+    read = kernel_mods.Read(0, indices, ct, parts)
+    got_indices, got_ct = kernel_mods._per_entry(read, shape, ct)
+    entries = int(np.prod([shape[a] for a in varying]))
+    chex.assert_shape(got_ct, tile if entries > kernel_mods.PER_ENTRY_MAX else (1, 1 << (entries - 1).bit_length()))
+    want = np.zeros(shape)
+    np.add.at(want, tuple(np.asarray(i) for i in indices), np.asarray(ct, np.float64))
+    got = np.zeros(shape)
+    np.add.at(got, tuple(np.asarray(jnp.broadcast_to(i, got_ct.shape)) for i in got_indices), np.asarray(got_ct))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -298,3 +298,23 @@ def test_flex_torch_side_matches_xla(case):
     got = common_flex.torch_attention(q, k, v, c, common_flex.torch_block_mask(c, FLEX.batch, N, "cpu"),
                                       flex_attention)
     np.testing.assert_allclose(got.numpy(), out, rtol=0, atol=f32_tolerance(terms=D + N, magnitude=out))
+
+
+def test_each_timed_step_gets_its_own_layout(monkeypatch):
+    """In the causal case jax.nn's cuDNN reference takes `(B, N, H, D)` and jax_mha's
+    paths `(B, H, N, D)`: each timed step must be called with its own arrays (a closure
+    over the loop's last ones once timed jax_mha on the transposed inputs, N and H
+    swapped). Every implementation is let through as if on a GPU and recorded."""
+    seen = {}
+
+    def fake_step(name, case, grid, n, backward):
+        return lambda q, k, v, params: seen.setdefault((name, backward), q.shape)
+
+    monkeypatch.setattr(bench, "flex_jax_step", fake_step)
+    monkeypatch.setattr(bench, "flex_untimed", lambda name, *a: dict(skipped="torch") if name == "torch:flex" else None)
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: x)
+    grid = common_flex.FlexGrid(batch=2, heads=3, seq=(8,), head_dim=(4,), dtype="float32", repeats=1, budget=None)
+    arrays = bench.flex_arrays(grid, 8, 4)
+    bench.flex_case("causal", grid, 8, 4, arrays, "gpu", None)
+    want = {"jax_mha:pallas_gpu": (2, 3, 8, 4), "jax_mha:blockwise": (2, 3, 8, 4), "jax.nn:cudnn": (2, 8, 3, 4)}
+    assert seen == {(name, backward): shape for name, shape in want.items() for backward in (False, True)}
