@@ -11,8 +11,12 @@ docs/results/composed_attention.md), rendered from committed data by
   attention: mods, windows, sinks, against FlexAttention); blocks `table` (median
   milliseconds and the min–max of the repeats per case and implementation),
   `tflops` (forward+backward TFLOP/s), `versus_cudnn` (time over jax.nn's cuDNN plain
-  causal call at the same size) and `refusals` (why an implementation did not run).
-- `pallas_gpu_blocks`: `experiments.pallas_gpu_blocks`; block `table`.
+  causal call at the same size), `refusals` (why an implementation did not run) and
+  `targets` (the engine over the kernel, the kernel over FlexAttention, each against
+  its target).
+- `pallas_gpu_blocks`: `experiments.pallas_gpu_blocks` (block pairs, or `--launch`:
+  warps and stages); block `table`.
+- `engine_blocks`: `experiments.engine_blocks`; block `table`.
 """
 
 from __future__ import annotations
@@ -228,6 +232,63 @@ def flex_refusals(data: dict) -> str:
     return "\n".join(f"- `{impl}`, {', '.join(cases)}: {why}" for (impl, why), cases in reasons.items())
 
 
+ENGINE_TARGET, TORCH_TARGET = 4.0, 1.25  # issue targets: the kernel ≥ 4x the engine, ≤ 1.25x FlexAttention
+
+
+def flex_targets(data: dict) -> str:
+    """Per composed case and size, forward+backward: the blockwise engine's time over the
+    kernel's (target ≥ `ENGINE_TARGET`) and the kernel's over FlexAttention's (target
+    ≤ `TORCH_TARGET`), each marked met or not; the counts below the table."""
+    lines = [f"Forward+backward, {data['device']}: the engine's median time over the kernel's (target ≥ "
+             f"{ENGINE_TARGET:g}) and the kernel's over FlexAttention's (target ≤ {TORCH_TARGET:g}).", "",
+             "| case | N | D | `jax_mha:pallas_gpu` ms | engine / kernel | kernel / FlexAttention |",
+             "|---|---:|---:|---:|---:|---:|"]
+    met = {"engine": [0, 0], "torch": [0, 0]}
+
+    def ratio(num, den, target, key, at_least):
+        if num is None or den is None:
+            return "–"
+        value = num / den
+        ok = value >= target if at_least else value <= target
+        met[key][0] += ok
+        met[key][1] += 1
+        return f"{value:.2f} " + ("met" if ok else "**not met**")
+
+    ms = lambda row: None if row is None or "ms" not in row["forward_backward"] else row["forward_backward"]["ms"]
+    for n, d in _flex_sizes(data):
+        for case in data["cases"]:
+            kernel = ms(_flex_row(data, "jax_mha:pallas_gpu", case, n, d))
+            if case == "causal" or kernel is None:
+                continue
+            engine, torch = ms(_flex_row(data, "jax_mha:blockwise", case, n, d)), ms(
+                _flex_row(data, "torch:flex", case, n, d))
+            lines.append(f"| {case} | {n} | {d} | {kernel:.2f} | {ratio(engine, kernel, ENGINE_TARGET, 'engine', True)}"
+                         f" | {ratio(kernel, torch, TORCH_TARGET, 'torch', False)} |")
+    lines += ["", f"Engine target met in {met['engine'][0]} of {met['engine'][1]} composed measurements; "
+              f"FlexAttention target in {met['torch'][0]} of {met['torch'][1]} (a case FlexAttention did not run "
+              "has no ratio)."]
+    return "\n".join(lines)
+
+
+def engine_blocks_table(data: dict) -> str:
+    """Forward+backward ms per (query, key) block pair of the blockwise engine, causal and
+    unmasked; the fastest of each marked, and the pair `default_blocks` picks named."""
+    lines = [f"{data['device']}: the blockwise engine forward+backward, B={data['batch']}, H={data['heads']}, "
+             f"N=S={data['seq']}, D={data['head_dim']}, {data['dtype']}; median of the timed calls [min–max]. "
+             f"Defaults when the sweep ran: causal {tuple(data['defaults']['causal'])}, unmasked "
+             f"{tuple(data['defaults']['unmasked'])}" + (" (stopped by its budget)." if data.get("stopped_early")
+                                                         else "."),
+             "", "| mask | q_block | k_block | ms |", "|---|---:|---:|---:|"]
+    for causal in (True, False):
+        rows = [r for r in data["rows"] if r["causal"] == causal]
+        best = min((r for r in rows if "ms" in r), key=lambda r: r["ms"], default=None)
+        for r in rows:
+            cell = r.get("error") or (f"{r['ms']:.1f} [{r['ms_min']:.1f}–{r['ms_max']:.1f}]")
+            cell = f"**{cell}**" if r is best else cell
+            lines.append(f"| {'causal' if causal else 'unmasked'} | {r['q_block']} | {r['k_block']} | {cell} |")
+    return "\n".join(lines)
+
+
 def device_tests_table(data: dict) -> str:
     """One line per test that ran (not skipped on this device), its outcome and time."""
     ran = [t for t in data["tests"] if t["outcome"] != "skipped"]
@@ -243,18 +304,23 @@ def blocks_table(data: dict) -> str:
     """Forward+backward ms per pair of blocks (the library kernel's `q_block, k_block`,
     or the former wrapped kernel's backward `outer, inner`); the fastest per D marked."""
     a, b = ("q_block", "k_block") if "q_block" in data["rows"][0] else ("outer", "inner")
+    launch = "num_warps" in data["rows"][0]
+    extra = " num_warps | num_stages |" if launch else ""
     lines = [f"{data['device']}: causal forward+backward, B={data['batch']}, H={data['heads']}, "
              f"N=S={data['seq']}, {data['dtype']}; gradient error relative to the largest gradient of the "
-             "float32 blockwise engine.", "", f"| D | {a} | {b} | ms | error |", "|---:|---:|---:|---:|---:|"]
+             "float32 blockwise engine.", "", f"| D | {a} | {b} |{extra} ms | error |",
+             "|---:|---:|---:|" + ("---:|---:|" if launch else "") + "---:|---:|"]
+    key = lambda r: f"| {r['head_dim']} | {r[a]} | {r[b]} |" + (f" {r['num_warps']} | {r['num_stages']} |" if launch
+                                                                  else "")
     for d in dict.fromkeys(r["head_dim"] for r in data["rows"]):
         rows = [r for r in data["rows"] if r["head_dim"] == d]
         best = min((r for r in rows if "ms" in r), key=lambda r: r["ms"], default=None)
         for r in rows:
             if "ms" not in r:
-                lines.append(f"| {d} | {r[a]} | {r[b]} | {r['error']} | – |")
+                lines.append(f"{key(r)} {r['error']} | – |")
                 continue
             ms = f"**{r['ms']:.2f}**" if r is best else f"{r['ms']:.2f}"
-            lines.append(f"| {d} | {r[a]} | {r[b]} | {ms} | {r['relative_error']:.1e} |")
+            lines.append(f"{key(r)} {ms} | {r['relative_error']:.1e} |")
     return "\n".join(lines)
 
 
@@ -274,8 +340,9 @@ RENDERERS: dict[str, dict[str, Callable[[dict], str]]] = {
     "device_benchmark": {"table": benchmark_table, "tflops": benchmark_tflops,
                          "versus_jax_nn": benchmark_versus_jax_nn},
     "device_benchmark_flex": {"table": flex_table, "tflops": flex_tflops, "versus_cudnn": flex_versus_cudnn,
-                              "refusals": flex_refusals},
+                              "refusals": flex_refusals, "targets": flex_targets},
     "pallas_gpu_blocks": {"table": blocks_table},
+    "engine_blocks": {"table": engine_blocks_table},
 }
 
 

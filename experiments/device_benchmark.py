@@ -33,10 +33,11 @@ as the reference of every case. Each measurement: one compiling call (a case's J
 steps compile at once, in threads, while PyTorch compiles in the main thread), then 3
 calls round-robin over the case's implementations (noise hits all alike): median, min
 and max. TFLOP/s over each case's visible pairs, counted exactly (`common_flex.
-visible_pairs`). No case starts after `--budget` seconds (default 270: under 6 minutes
-in all, compilation included, on one H100/H200 by design; not yet timed on one).
-Results page: docs/results/composed_attention.md, rendered by `experiments.report`
-from docs/results/data/device_benchmark_flex.json.
+visible_pairs`). No case starts after `--budget` seconds (default 270). On an H200
+with torch 2.11 each (case, N = 4096, D) took about 15 s, compilation included:
+`--budget 235` ran the N = 4096 cases and stopped, 283 s in all; N = 16384 needs a
+larger budget. Results page: docs/results/composed_attention.md, rendered by
+`experiments.report` from docs/results/data/device_benchmark_flex_h200*.json.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ blockwise engine's.
     python -m experiments.pallas_gpu_blocks --launch    # (num_warps, num_stages) at the library's blocks
 
 Writes `results/pallas_gpu_blocks.json` (atomic), naming the device; the pair the
-library uses is `flex.blocks`' (chosen from this sweep on an H200:
-docs/results/gpu_kernels.md, section 4).
+library uses is `flex.blocks`' (64 x 64: docs/results/composed_attention.md says
+why, from this sweep and the composed cases on an H200).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def measure(d: int, q_block: int, k_block: int, want, q, k, v, repeats: int, lau
     median ms, first call s, largest gradient error relative to the largest reference
     gradient."""
     saved, saved_launch = pallas_gpu.blocks, (flex.NUM_WARPS, flex.NUM_STAGES)
-    pallas_gpu.blocks = lambda n, s, d: (q_block, k_block)
+    pallas_gpu.blocks = lambda n, s: (q_block, k_block)
     flex.NUM_WARPS, flex.NUM_STAGES = launch or saved_launch
     extra = {} if launch is None else dict(num_warps=launch[0], num_stages=launch[1])
     try:
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
         q, k, v = (jax.random.normal(key, (B, H, N, d), jnp.bfloat16) for key in keys)
         f32 = [x.astype(jnp.float32) for x in (q, k, v)]
         want = [np.asarray(g) for g in gradients("blockwise")(*f32)]
-        runs = ([(*pallas_gpu.blocks(N, N, d), launch) for launch in LAUNCHES] if args.launch
+        runs = ([(*pallas_gpu.blocks(N, N), launch) for launch in LAUNCHES] if args.launch
                 else [(*pair, None) for pair in PAIRS])
         for q_block, k_block, launch in runs:
             rows.append(measure(d, q_block, k_block, want, q, k, v, args.repeats, launch))
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"D={d:<4} q_block={q_block:<4} k_block={k_block:<3} launch={launch} " + (
                 f"{row['ms']:8.3f} ms  error {row['relative_error']:.1e}" if "ms" in row else row["error"]), flush=True)
     result = dict(kind="pallas_gpu_blocks", device=str(jax.devices()[0].device_kind), batch=B, heads=H, seq=N, dtype="bfloat16", causal=True,
-                  library_pairs={d: pallas_gpu.blocks(N, N, d) for d in (64, 128)},
+                  library_pairs={d: pallas_gpu.blocks(N, N) for d in (64, 128)},
                   library_launch=(flex.NUM_WARPS, flex.NUM_STAGES), swept="launch" if args.launch else "blocks", rows=rows,
                   metadata=run_metadata())
     write_json(args.out, result)

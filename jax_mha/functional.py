@@ -361,7 +361,7 @@ def block_schedule(q, k, *, is_causal: bool = False, local_window_size=None, q_l
     vis = describe(q, k, k, is_causal=is_causal, local_window_size=local_window_size, q_lengths=q_lengths,
                    kv_lengths=kv_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                    mask_mod=mask_mod)
-    return schedules.build_schedule(vis, *flex.blocks(vis.n, vis.s, q.shape[-1]))
+    return schedules.build_schedule(vis, *flex.blocks(vis.n, vis.s))
 
 
 def _block_sizes(query_block_size, key_block_size) -> tuple[int | None, int | None]:

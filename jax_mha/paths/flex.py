@@ -41,10 +41,9 @@ from jax_mha.paths.engine import Mod, trace_mod
 from jax_mha.paths.kernel_common import kernel_segment_ids, static_int
 
 BLOCK = 64  # queries and keys per block
-# Keys per block at head dims up to 64: on an H200 (docs/results/gpu_kernels.md, the
-# kernel's block sweep) 64 x 128 ran forward+backward in 0.88x the time of 64 x 64 at
-# D = 64; at D = 128 the wider block was slower (1.7x).
-WIDE_KEY_BLOCK, WIDE_MAX_HEAD_DIM = 128, 64
+# 64 x 64 on an H200 (docs/results/composed_attention.md): 64 x 128 ran plain causal
+# 0.88x the time at D = 64 but packed documents by a mask_mod 2.1x and the soft cap
+# 1.07x; at D = 128 it was 1.7x the time on plain causal.
 NUM_WARPS, NUM_STAGES = 4, 2  # Triton's launch: warps per program, software-pipelined stages
 MIN_BLOCK = 16  # the smallest tile Triton's tl.dot takes
 # The parts of a call (`jax_mha._path.PARTS`) the kernel expresses.
@@ -475,13 +474,11 @@ def attend(q, k, v, bad_kv, vis: _masking.Visibility, *, scale: float, q_block: 
     return unflat(out), unflat(lse), unflat(touched) > 0
 
 
-def blocks(n: int, s: int, head_dim: int) -> tuple[int, int]:
-    """`(q_block, k_block)`: `BLOCK` queries by `BLOCK` keys (`WIDE_KEY_BLOCK` keys at
-    head dims up to `WIDE_MAX_HEAD_DIM`), or a sequence's own length rounded up to a
-    power of two (at least 16: Triton's smallest dot tile) when shorter."""
+def blocks(n: int, s: int) -> tuple[int, int]:
+    """`(q_block, k_block)`: `BLOCK` queries by `BLOCK` keys, or a sequence's own length
+    rounded up to a power of two (at least 16: Triton's smallest dot tile) when shorter."""
     pow2 = lambda x: max(MIN_BLOCK, 1 << max(int(x) - 1, 0).bit_length())
-    k_block = WIDE_KEY_BLOCK if head_dim <= WIDE_MAX_HEAD_DIM else BLOCK
-    return min(BLOCK, pow2(n)), min(k_block, pow2(s))
+    return min(BLOCK, pow2(n)), min(BLOCK, pow2(s))
 
 
 def fits(schedule, vis: _masking.Visibility, batch: int, heads: int, q_block: int, k_block: int) -> bool:

@@ -52,6 +52,15 @@ class _Trailing:
 PER_ENTRY_MAX = 64
 
 
+class _Uniform:
+    """`x` of size 1 broadcast to `shape`, kept small: jnp's indexing broadcasts every
+    index array to one shape, and a gather index that is one value over the tile (the
+    head in `table[h, bucket]`) must stay known as one (`_per_entry`)."""
+
+    def __init__(self, x, shape):
+        self.x, self.shape, self.ndim = x, tuple(shape), len(shape)
+
+
 class Read(NamedTuple):
     """One read of a const: `values = const[indices]` (indices int32, broadcast to
     the values' shape; `parts` the same indices before broadcasting)."""
@@ -65,6 +74,8 @@ class Read(NamedTuple):
 def _materialize(x):
     if isinstance(x, _Captured):
         return x.ref[...]
+    if isinstance(x, _Uniform):
+        return jnp.broadcast_to(x.x, x.shape)
     if isinstance(x, _Trailing):
         return jnp.stack(x.parts, axis=-1)
     return x
@@ -84,7 +95,8 @@ def _gather(eqn, operand: _Captured, parts, state):
     """The gathered values: given (`state.reads` set) or loaded from the ref."""
     shape = jnp.broadcast_shapes(*(p.shape for p in parts))
     # Out-of-range indices are clamped: a kernel must not read past the array.
-    clipped = tuple(jnp.clip(p.astype(jnp.int32), 0, dim - 1) for p, dim in zip(parts, operand.shape))
+    small = lambda p: p.x if isinstance(p, _Uniform) else p
+    clipped = tuple(jnp.clip(small(p).astype(jnp.int32), 0, dim - 1) for p, dim in zip(parts, operand.shape))
     indices = tuple(jnp.broadcast_to(p, shape) for p in clipped)
     if state.given is not None:
         values = state.given[len(state.reads)]
@@ -124,9 +136,11 @@ def _eval_eqn(eqn, ins, state):
         return _eval(inner.jaxpr, inner.consts, ins, state)
     if name == "broadcast_in_dim" and not isinstance(ins[0], (_Captured, _Trailing)):
         x = ins[0]
-        shape = eqn.params["shape"]
-        if tuple(shape) == tuple(x.shape) + (1,) and tuple(eqn.params["broadcast_dimensions"]) == tuple(range(x.ndim)):
+        shape, dims = tuple(eqn.params["shape"]), tuple(eqn.params["broadcast_dimensions"])
+        if shape == tuple(x.shape) + (1,) and dims == tuple(range(x.ndim)):
             return [_Trailing([x])]
+        if math.prod(x.shape) == 1 and len(shape) == x.ndim and dims == tuple(range(x.ndim)) and len(eqn.invars) == 1:
+            return [_Uniform(x.x if isinstance(x, _Uniform) else x, shape)]
     if name == "concatenate" and all(isinstance(x, _Trailing) for x in ins) \
             and eqn.params["dimension"] == eqn.outvars[0].aval.ndim - 1:
         return [_Trailing([p for x in ins for p in x.parts])]

@@ -62,7 +62,7 @@ def run(q, k, v, bad_kv, vis: _masking.Visibility, call: _masking.Call, *, scale
     if not interpret:  # Triton's tiles: head dims a power of two, at least 16 (zeros add nothing)
         width = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, next_pow2(x.shape[-1], MIN_BLOCK) - x.shape[-1])])
         q, k, v = width(q), width(k), width(v)
-    q_block, k_block = blocks(vis.n, vis.s, q.shape[-1])
+    q_block, k_block = blocks(vis.n, vis.s)
     with jax.numpy_dtype_promotion("standard"):
         out, lse, touched = flex.attend(q, k, v, bad_kv, vis, scale=scale, q_block=q_block, k_block=k_block,
                                          interpret=interpret, backend="triton")

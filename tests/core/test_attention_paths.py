@@ -590,6 +590,10 @@ def test_default_blocks_fit_the_pattern():
     assert default_blocks(True, Window(0, 0)) == (128, 128)
     assert default_blocks(False, Window(3, None)) == (512, 512)  # unbounded on the right
     assert default_blocks(True, Window(2000, 0)) == (512, 512)
+    # per platform: a GPU's causal blocks from its sweep; a narrow window keeps its span
+    assert default_blocks(True, None, platform="gpu") == (1024, 1024)
+    assert default_blocks(False, None, platform="gpu") == (2048, 256)
+    assert default_blocks(True, Window(100, 0), platform="gpu") == (128, 128)
 
 
 def test_blockwise_memory_is_linear_in_sequence_length():

@@ -227,3 +227,25 @@ def test_a_read_of_a_few_entries_adds_its_cotangent_entry_by_entry(shape, varyin
     got = np.zeros(shape)
     np.add.at(got, tuple(np.asarray(jnp.broadcast_to(i, got_ct.shape)) for i in got_indices), np.asarray(got_ct))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_head_index_stays_one_value_when_jnp_broadcasts_it():
+    """`table[h, bucket(kv - q)]`: jnp broadcasts the `(1, 1)` head to the tile before
+    gathering; the read must still record it as one value, so that its gradient is
+    added per table entry (`_per_entry`), not per pair of the tile."""
+    from jax_mha.paths import engine, kernel_mods
+
+    table = jnp.asarray(np.random.default_rng(3).standard_normal((5, 32)), jnp.float32)
+    mod = lambda s, b, h, q, kv: s + table[h, jnp.clip(kv - q, 0, 31)]
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    traced, consts = engine.trace_mod(mod, jax.ShapeDtypeStruct((8, 16), jnp.float32), i32(1, 1), i32(1, 1),
+                                      i32(8, 1), i32(1, 16))
+    args = (jnp.zeros((8, 16)), jnp.zeros((1, 1), jnp.int32), jnp.full((1, 1), 3, jnp.int32),
+            jnp.arange(8)[:, None], jnp.arange(16)[None, :])
+    out, (read,) = kernel_mods.evaluate(traced, consts, args)
+    chex.assert_shape(read.parts[0], (1, 1))
+    chex.assert_shape(read.parts[1], (8, 16))
+    np.testing.assert_array_equal(out, mod(*args))
+    indices, sums = kernel_mods._per_entry(read, table.shape, jnp.ones((8, 16)))
+    chex.assert_shape(sums, (1, 32))
+    np.testing.assert_array_equal(np.asarray(indices[0]), 3)

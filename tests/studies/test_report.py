@@ -205,12 +205,32 @@ def test_flex_benchmark_ratios_are_over_cudnn_plain_causal_and_refusals_are_grou
         report.render(data, "table_x")
 
 
-def test_composed_attention_page_is_generated_once_its_data_exists():
-    """No number before the flex run's data is committed; its blocks once it is."""
+def test_composed_attention_page_shows_every_block_of_its_measured_runs():
+    """The page renders every block of the H200 run and says nothing is unmeasured."""
     page = (report.PAGES / "composed_attention.md").read_text(encoding="utf-8")
-    markers = [f"<!-- report: device_benchmark_flex#{b} -->" for b in ("table", "tflops", "versus_cudnn", "refusals")]
-    if (report.DATA / "device_benchmark_flex.json").exists():
-        assert all(m in page for m in markers) and "Not measured yet" not in page
-    else:
-        assert "Not measured yet: run `python -m experiments.device_benchmark --preset flex` on a GPU." in page
-        assert not any(m in page for m in markers)
+    assert (report.DATA / "device_benchmark_flex_h200.json").exists() and "Not measured yet" not in page
+    for block in ("table", "tflops", "versus_cudnn", "refusals", "targets"):
+        assert f"<!-- report: device_benchmark_flex_h200#{block} -->" in page, block
+
+
+def test_flex_targets_count_the_met_ratios():
+    rows = [_flex_row("jax_mha:pallas_gpu", "alibi", 1.0, 5.0), _flex_row("jax_mha:blockwise", "alibi", 9.0, 30.0),
+            _flex_row("torch:flex", "alibi", 1.0, 3.0), _flex_row("jax_mha:pallas_gpu", "window", 1.0, 10.0),
+            _flex_row("jax_mha:blockwise", "window", 9.0, 30.0), _flex_row("torch:flex", "window", 1.0, 9.0)]
+    data = dict(kind="device_benchmark_flex", device="GPU X", cases={"alibi": "", "window": ""}, rows=rows)
+    text = report.render(data, "targets")
+    assert "| alibi | 256 | 64 | 5.00 | 6.00 met | 1.67 **not met** |" in text
+    assert "| window | 256 | 64 | 10.00 | 3.00 **not met** | 1.11 met |" in text
+    assert "Engine target met in 1 of 2 composed measurements; FlexAttention target in 1 of 2" in text
+
+
+def test_engine_blocks_table_marks_the_fastest_pair_per_mask():
+    row = lambda causal, q, k, ms: dict(causal=causal, q_block=q, k_block=k, ms=ms, ms_min=ms - 1, ms_max=ms + 1)
+    data = dict(kind="engine_blocks", device="GPU X", batch=4, heads=16, seq=8192, head_dim=64, dtype="bfloat16",
+                defaults={"causal": [512, 512], "unmasked": [2048, 256]}, stopped_early=True,
+                rows=[row(True, 512, 512, 80.0), row(True, 1024, 1024, 61.0), row(False, 512, 512, 130.0),
+                      dict(causal=False, q_block=4096, k_block=4096, error="OOM")])
+    text = report.render(data, "table")
+    assert "| causal | 1024 | 1024 | **61.0 [60.0–62.0]** |" in text and "| causal | 512 | 512 | 80.0 [79.0–81.0] |" in text
+    assert "| unmasked | 512 | 512 | **130.0 [129.0–131.0]** |" in text and "| unmasked | 4096 | 4096 | OOM |" in text
+    assert "causal (512, 512), unmasked (2048, 256) (stopped by its budget)." in text
