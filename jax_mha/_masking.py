@@ -144,6 +144,12 @@ class Pattern:
         return all(lo < hi for lo, hi in ranges)
 
     @property
+    def has_mods(self) -> bool:
+        """True when a function of the indices is called (`mask_mod`; `Visibility`
+        adds `score_mod`): the mods need batch and head indices."""
+        return self.mask_mod is not None
+
+    @property
     def restricts(self) -> bool:
         """False when every pair may attend (nothing to evaluate)."""
         return (
@@ -181,6 +187,10 @@ class Visibility(Pattern):
     score_mod: object = None
     logits_soft_cap: float | None = None
     sinks: jax.Array | None = None
+
+    @property
+    def has_mods(self) -> bool:
+        return self.score_mod is not None or Pattern.has_mods.fget(self)
 
     @property
     def every_row_sees_a_key(self) -> bool:
@@ -316,8 +326,8 @@ class Call(NamedTuple):
 def dense_heads(vis: Pattern, rank: int, batch: tuple | None = None, heads: int | None = None):
     """`(batch index (B…, 1, 1, 1), head index (1…, H, 1, 1))` int32 for the mods,
     from the shapes in `batch`/`heads` (None: read from `vis.batch_shape`); None when
-    there is no mod (a `Pattern` has only `mask_mod`, a `Visibility` `score_mod` too)."""
-    if vis.mask_mod is None and getattr(vis, "score_mod", None) is None:
+    there is no mod (`has_mods`)."""
+    if not vis.has_mods:
         return None
     batch = vis.batch_shape if batch is None else batch
     heads = vis.num_heads if heads is None else heads
