@@ -7,6 +7,7 @@ and, with `--preset flex`, composed attention against PyTorch's FlexAttention.
     python -m experiments.device_benchmark --preset float16 # the quick sizes, causal, float16 (pallas_mgpu)
     python -m experiments.device_benchmark --preset full    # more sizes and float32 (no budget)
     python -m experiments.device_benchmark --preset flex    # composed cases: B=8, H=16, N 4k/16k, D 64/128, bf16
+    python -m experiments.device_benchmark --preset flex --seq 16384 --head-dim 64   # a part of that grid
     python -m experiments.device_benchmark --smoke          # one tiny size: with --preset flex
                                                             # (every flex case), the only things run on CPU
 
@@ -481,6 +482,17 @@ def format_flex_row(row: dict) -> str:
     return head + " | " + " | ".join(cells)
 
 
+def _positive(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m experiments.device_benchmark", description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted([*PRESETS, "flex"]), default=None, help="the grid (default: quick)")
@@ -490,10 +502,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--budget", type=float, default=None, help="stop after this many seconds (default: the preset's)")
     p.add_argument("--out", default=None, help="JSON path (default results/device_benchmark_PRESET.json)")
     p.add_argument("--figure", default=None, help="PNG path (default: the JSON path with .png)")
+    p.add_argument("--seq", type=_positive, nargs="+", help="with --preset flex: these N = S only (e.g. 16384)")
+    p.add_argument("--head-dim", type=_positive, nargs="+", help="with --preset flex: these D only")
+    p.add_argument("--cases", choices=common_flex.CASES, nargs="+",
+                   help="with --preset flex: these cases only (causal holds the cuDNN reference of its size)")
     args = p.parse_args(argv)
     preset = ("flex_smoke" if args.preset == "flex" else "smoke") if args.smoke else args.preset or "quick"
     flex = preset in FLEX_PRESETS
     grid = FLEX_PRESETS[preset] if flex else PRESETS[preset]
+    chosen = {field: tuple(value) for field, value in
+              (("seq", args.seq), ("head_dim", args.head_dim), ("cases", args.cases)) if value is not None}
+    if chosen and not flex:
+        p.error(f"--{next(iter(chosen)).replace('_', '-')} narrows the flex preset only (give --preset flex)")
+    grid = dataclasses.replace(grid, **chosen)
     budget = grid.budget if args.budget is None else args.budget
     if budget is not None and budget < 0:
         p.error(f"--budget must be >= 0 seconds, got {budget:g}")

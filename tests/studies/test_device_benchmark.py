@@ -318,3 +318,19 @@ def test_each_timed_step_gets_its_own_layout(monkeypatch):
     bench.flex_case("causal", grid, 8, 4, arrays, "gpu", None)
     want = {"jax_mha:pallas_gpu": (2, 3, 8, 4), "jax_mha:blockwise": (2, 3, 8, 4), "jax.nn:cudnn": (2, 8, 3, 4)}
     assert seen == {(name, backward): shape for name, shape in want.items() for backward in (False, True)}
+
+
+def test_flex_grid_narrowed_from_the_command_line(tmp_path, capsys):
+    """`--seq`, `--head-dim` and `--cases` run that part of the flex grid only; they
+    name the flex preset, and anything else is an argparse error (exit 2)."""
+    out = tmp_path / "part.json"
+    bench.main(["--preset", "flex", "--smoke", "--seq", "24", "--head-dim", "8", "--cases", "causal", "window",
+                "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["case"], r["seq"], r["head_dim"]) for r in rows} == {("causal", 24, 8), ("window", 24, 8)}
+    for argv, message in ((["--smoke", "--seq", "64"], "--seq narrows the flex preset only"),
+                          (["--preset", "flex", "--smoke", "--head-dim", "-3"], "expected a positive integer, got -3"),
+                          (["--preset", "flex", "--smoke", "--cases", "alibi", "nope"], "invalid choice: 'nope'")):
+        with pytest.raises(SystemExit) as exit_info:
+            bench.main(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
