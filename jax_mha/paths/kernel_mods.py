@@ -77,7 +77,7 @@ def _materialize(x):
     if isinstance(x, _Uniform):
         return jnp.broadcast_to(x.x, x.shape)
     if isinstance(x, _Trailing):
-        return jnp.stack(x.parts, axis=-1)
+        return jnp.stack([_materialize(p) for p in x.parts], axis=-1)
     return x
 
 
@@ -145,7 +145,7 @@ def _eval_eqn(eqn, ins, state):
             and eqn.params["dimension"] == eqn.outvars[0].aval.ndim - 1:
         return [_Trailing([p for x in ins for p in x.parts])]
     if name == "gather" and isinstance(ins[0], _Captured):
-        idx = ins[1]
+        idx = ins[1] if isinstance(ins[1], _Trailing) else _materialize(ins[1])
         parts = idx.parts if isinstance(idx, _Trailing) else [idx[..., i] for i in range(idx.shape[-1])]
         if _is_simple_gather(eqn, ins[0], parts):
             return [_gather(eqn, ins[0], parts, state)]

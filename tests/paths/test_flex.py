@@ -249,3 +249,23 @@ def test_a_head_index_stays_one_value_when_jnp_broadcasts_it():
     indices, sums = kernel_mods._per_entry(read, table.shape, jnp.ones((8, 16)))
     chex.assert_shape(sums, (1, 32))
     np.testing.assert_array_equal(np.asarray(indices[0]), 3)
+
+
+def test_broadcast_indices_evaluate_like_the_mod_wherever_they_are_used():
+    """A broadcast head index used beyond an elementwise gather (in the index array of
+    a gather of whole rows, or in arithmetic) evaluates as the plain mod does."""
+    from jax_mha.paths import engine, kernel_mods
+
+    table = jnp.asarray(np.random.default_rng(5).standard_normal((5, 32)), jnp.float32)
+    rows = jnp.asarray(np.random.default_rng(7).standard_normal((5, 8, 16)), jnp.float32)
+    mods = [lambda s, b, h, q, kv: s + rows[h, q][:, 0, :],  # a gather of whole rows: its index used whole
+            lambda s, b, h, q, kv: s * (h + 1) + table[h, jnp.clip(kv - q, 0, 31)] * (b + 2)]
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    args = (jnp.asarray(np.random.default_rng(6).standard_normal((8, 16)), jnp.float32),
+            jnp.full((1, 1), 1, jnp.int32), jnp.full((1, 1), 3, jnp.int32), jnp.arange(8)[:, None],
+            jnp.arange(16)[None, :])
+    for mod in mods:
+        traced, consts = engine.trace_mod(mod, jax.ShapeDtypeStruct((8, 16), jnp.float32), i32(1, 1), i32(1, 1),
+                                          i32(8, 1), i32(1, 16))
+        out, _ = kernel_mods.evaluate(traced, consts, args)
+        np.testing.assert_allclose(out, mod(*args), rtol=1e-6)
