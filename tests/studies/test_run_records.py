@@ -35,15 +35,24 @@ def test_git_state_names_the_commit_and_whether_the_tree_is_dirty(tmp_path):
     _git(repo, "add", ".")
     _git(repo, "commit", "-qm", "first")
     head = _git(repo, "rev-parse", "HEAD").strip()
-    assert common.git_state(repo) == {"commit": head, "dirty": False}
+    tree = _git(repo, "log", "-1", "--format=%T").strip()  # the files as committed
+    assert common.git_state(repo) == {"commit": head, "dirty": False, "tree": tree}
     (repo / "results").mkdir()
     (repo / "results" / "r.json").write_text("{}")  # ignored output does not make the tree dirty
-    assert common.git_state(repo) == {"commit": head, "dirty": False}
+    assert common.git_state(repo) == {"commit": head, "dirty": False, "tree": tree}
     (repo / "a.txt").write_text("changed")
-    assert common.git_state(repo) == {"commit": head, "dirty": True}
+    changed = common.git_state(repo)
+    assert changed["commit"] == head and changed["dirty"] and changed["tree"] not in (None, tree)
+    (repo / "a.txt").write_text("a")  # the same files again: the same tree, whatever HEAD says
+    (repo / "b.txt").write_text("b")
+    _git(repo, "add", "b.txt")
+    _git(repo, "commit", "-qm", "second")
+    (repo / "b.txt").unlink()
+    assert common.git_state(repo)["tree"] == tree
+    assert _git(repo, "status", "--porcelain", "--", "a.txt") == ""  # the index was not touched
     outside = tmp_path / "not_a_checkout"
     outside.mkdir()
-    assert common.git_state(outside) == {"commit": None, "dirty": None}
+    assert common.git_state(outside) == {"commit": None, "dirty": None, "tree": None}
 
 
 def test_results_json_records_commit_dirty_and_the_command_line(tmp_path):
