@@ -33,7 +33,8 @@ window pattern, 512 x 512 with one. On one CPU device the engine runs one head a
 time, so a float32 score block is 2 or 1 MiB, cache-sized. Without a pattern nothing
 is skipped, and tall query blocks make fewer passes over the keys; a pattern wants
 shorter query blocks so that whole key blocks are skipped. The measurements behind
-these choices are in docs/performance.md.
+these choices are in docs/performance.md. A platform whose sweep chose other sizes
+has them in `DEVICE_BLOCKS` (a GPU: 1024 x 1024 with a pattern).
 """
 
 from __future__ import annotations
