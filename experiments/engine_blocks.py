@@ -1,7 +1,7 @@
 """The blockwise engine's blocks on this device: forward+backward time of
 `attention(implementation="blockwise", query_block_size=..., key_block_size=...)`,
 B=4, H=16, N=S=8192, D=64, bfloat16, causal and unmasked, for each (queries, keys)
-pair per block; the pair `blockwise.default_blocks` picks on this platform is marked.
+pair per block; the pairs `blockwise.default_blocks` picks on this platform are recorded.
 The engine is the path of whatever no kernel takes, so its blocks are chosen per
 platform from this sweep (`blockwise.DEVICE_BLOCKS`).
 
@@ -16,7 +16,6 @@ device, after every pair, so a stopped run keeps what it measured.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from experiments import common_flex
 from experiments.common import run_metadata, write_json
 from jax_mha import _dispatch, attention
 from jax_mha.paths import blockwise
@@ -41,21 +41,12 @@ def gradients(is_causal: bool, q_block: int, k_block: int):
 
 
 def measure(is_causal: bool, q_block: int, k_block: int, args: tuple, repeats: int) -> dict:
-    """One pair: first-call seconds, median/min/max ms of `repeats` timed calls."""
-    row = dict(causal=is_causal, q_block=q_block, k_block=k_block)
-    try:
-        step = gradients(is_causal, q_block, k_block)
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(*args))
-        row["first_call_s"] = time.perf_counter() - t0
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(step(*args))
-            times.append(1e3 * (time.perf_counter() - t0))
-    except Exception as e:  # out of memory at a large pair: recorded, the sweep goes on
-        return {**row, "error": f"{type(e).__name__}: {str(e)[:200]}"}
-    return {**row, "ms": statistics.median(times), "ms_min": min(times), "ms_max": max(times)}
+    """One pair: `first_call_s` and the median/min/max ms of `repeats` timed calls
+    (`common_flex.round_robin` of one step), or the `error` that stopped it."""
+    step = gradients(is_causal, q_block, k_block)
+    cell = common_flex.round_robin({"step": lambda: jax.block_until_ready(step(*args))}, repeats)["step"]
+    cell.pop("times_ms", None)
+    return dict(causal=is_causal, q_block=q_block, k_block=k_block, **cell)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -334,3 +334,18 @@ def test_flex_grid_narrowed_from_the_command_line(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_info:
             bench.main(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_engine_block_sweep_smoke_writes_every_pair_and_renders(tmp_path):
+    """`experiments.engine_blocks --smoke`: each pair of both masks timed (or its error
+    recorded), the platform's defaults named, and the report's table drawn from it."""
+    from experiments import common_device, engine_blocks
+
+    out = tmp_path / "blocks.json"
+    engine_blocks.main(["--smoke", "--repeats", "2", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert [(r["causal"], r["q_block"], r["k_block"]) for r in data["rows"]] == [
+        (c, b, b) for c in (True, False) for b in (64, 128)]
+    assert all(r["ms_min"] <= r["ms"] <= r["ms_max"] and r["first_call_s"] > 0 for r in data["rows"])
+    assert data["defaults"] == {"causal": [512, 512], "unmasked": [2048, 256]}
+    assert "| causal | 64 | 64 |" in common_device.render(data, "table")
