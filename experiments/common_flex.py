@@ -68,7 +68,8 @@ class FlexGrid:
     docs: int = 8  # documents per row in the documents case, as the quick preset's packed mask
     budget: float | None = 270.0  # no case starts later: the last one (tens of seconds at N = 16384, compiling
     # included) should end within 6 minutes; an estimate until a GPU has run the preset
-    repeats: int = 3  # timed calls per measurement, round-robin over the case's implementations
+    repeats: int = 5  # timed calls per measurement, round-robin over the case's implementations: five, so
+    # that every ratio a page quotes comes with the spread of five interleaved calls
 
 
 @dataclasses.dataclass(frozen=True)
