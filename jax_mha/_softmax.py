@@ -20,13 +20,14 @@ import jax
 import jax.numpy as jnp
 
 
-def online_step(m, l, s):
+def online_step(m, l, s, exp=jnp.exp):
     """Folds a block of scores into the running softmax of each row.
 
     Args:
       m: the running maximum `(…, rows)` (-inf on a row that has seen nothing).
       l: the running normaliser `(…, rows)`, relative to `m`.
       s: the block's logits `(…, rows, keys)`, -inf where masked.
+      exp: the exponential (the GPU kernel passes its faster one, `flex.exp_of`).
 
     Returns:
       `(m_new, l_new, p (…, rows, keys), correction (…, rows))`: `p = exp(s - m_new)`
@@ -35,8 +36,8 @@ def online_step(m, l, s):
     """
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no -inf - -inf on a row with nothing yet
-    p = jnp.exp(s - m_safe[..., None])
-    correction = jnp.exp(m - m_safe)
+    p = exp(s - m_safe[..., None])
+    correction = exp(m - m_safe)
     return m_new, l * correction + jnp.sum(p, axis=-1), p, correction
 
 

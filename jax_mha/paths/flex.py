@@ -40,6 +40,7 @@ from jax_mha.paths import kernel_mods, schedules
 from jax_mha.paths.engine import Mod, trace_mod
 from jax_mha.paths.kernel_common import kernel_segment_ids, static_int
 
+_LOG2E = math.log2(math.e)
 BLOCK = 64  # queries and keys per block
 # 64 x 64 on an H200 (docs/results/composed_attention.md): 64 x 128 ran plain causal
 # 0.88x the time at D = 64 but packed documents by a mask_mod 2.1x and the soft cap
@@ -209,6 +210,25 @@ def _visible(cfg: Config, r, t: _Tile, heads, rows, cols):
     return ok
 
 
+def exp_of(cfg: Config):
+    """The exponential of the kernel's scores. On Triton `exp2(x · log2 e)`: Pallas
+    lowers float32 `exp` to libdevice's accurate `__nv_expf` (several instructions
+    around one `ex2.approx`) and `exp2` to `__nv_exp2f` (the `ex2.approx` alone), and a
+    tile's exponentials are most of its elementwise work beside the two matmuls, as in
+    every Triton FlashAttention. Relative error of order 1e-7 · |x|, far inside a
+    bfloat16 kernel's; elsewhere (Mosaic) `exp`."""
+    return (lambda x: jnp.exp2(x * _LOG2E)) if cfg.backend == "triton" else jnp.exp
+
+
+def _touched(touched, s, bad):
+    """Each row's running flag of a visible bad key, updated by one block: `s (bq, bk)`
+    its logits (-inf where masked), `bad (bk,)` its keys' flags. Evaluated per pair only
+    when the block holds a bad key, so a call without one (nearly every call) pays a
+    reduction over `bk` flags per block, not three passes over its `bq × bk` pairs."""
+    seen = lambda: jnp.maximum(touched, jnp.max(jnp.where(s > -jnp.inf, bad[None, :], 0.0), axis=1))
+    return lax.cond(jnp.max(bad) > 0.0, seen, lambda: touched)
+
+
 def _forward_kernel(cfg: Config, *refs):
     r, (o_ref, lse_ref, touched_ref) = _refs_of(cfg, refs)
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -223,12 +243,10 @@ def _forward_kernel(cfg: Config, *refs):
         j, full = kv_index[sb, sh, i, t], kv_full[sb, sh, i, t]
         k = r["k"][b, kv_head, pl.ds(j * bk, bk), :]
         _, _, s, _ = _logits(cfg, r, q, k, _Tile(b, h, i, j), full)
-        m, l, p, correction = online_step(m, l, s)
+        m, l, p, correction = online_step(m, l, s, exp_of(cfg))
         v = r["v"][b, kv_head, pl.ds(j * bk, bk), :]
         acc = acc * correction[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        bad = r["bad"][b, kv_head, pl.ds(j * bk, bk)][None, :]
-        touched = jnp.maximum(touched, jnp.max(jnp.where(s > -jnp.inf, bad, 0.0), axis=1))
-        return m, l, acc, touched
+        return m, l, acc, _touched(touched, s, r["bad"][b, kv_head, pl.ds(j * bk, bk)])
 
     dv = o_ref.shape[-1]
     init = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, dv), jnp.float32),
@@ -244,7 +262,7 @@ def _backward_tile(cfg: Config, r, q, k, v, g, lse, delta, t: _Tile, full, with_
     """`(p, ds0, reads, read cotangents)` of one block: the weights and the logits'
     gradient before the mods (`ds0`, what q, k and the bias receive)."""
     s0, s1, s, reads = _logits(cfg, r, q, k, t, full)
-    p = jnp.exp(s - jnp.where(lse == -jnp.inf, jnp.inf, lse)[:, None])
+    p = exp_of(cfg)(s - jnp.where(lse == -jnp.inf, jnp.inf, lse)[:, None])
     dp = lax.dot_general(g, v, _NT, preferred_element_type=jnp.float32)
     ds = logits_grad(p, dp, delta[:, None])  # the gradient of the capped logits
     if cfg.soft_cap is not None:

@@ -374,11 +374,14 @@ def export_feature(feature, implementation, platform, n=96, s=96, grad=True):
 def test_every_feature_exports_for_cuda_with_the_kernel(feature, implementation):
     """Forward and backward of each composed feature, named or chosen by "auto",
     exported for CUDA from this CPU: the library's three Triton kernels (forward, dq,
-    dk/dv), compiled (never the interpret-mode emulation, which has no custom call)."""
+    dk/dv), compiled (never the interpret-mode emulation, which has no custom call),
+    each taking the scores' exponentials by `ex2.approx` (libdevice's `__nv_exp2f`),
+    not by the several instructions of its accurate `__nv_expf`."""
     text = export_feature(feature, implementation, "cuda")
     assert text.count("custom_call @__gpu$xla.gpu.triton") == 3
     for kernel in ("forward_kernel", "dq_kernel", "dkv_kernel"):
         assert f'name = "{kernel}"' in text
+    assert text.count("__nv_exp2f") == 3 and "__nv_expf" not in text
 
 
 @pytest.mark.parametrize("feature", ["alibi", "documents", "bias", "table"])
