@@ -66,9 +66,9 @@ class FlexGrid:
     window: int = 1024  # keys each side in the window case: (1024, 1024), a local-attention layer's reach
     soft_cap: float = 30.0  # the cap of the soft-cap case
     docs: int = 8  # documents per row in the documents case, as the quick preset's packed mask
-    budget: float | None = 270.0  # no case starts later. On an H200 the N = 4096 half took 283 s and each head
-    # size at N = 16384 about 160 s (docs/results/composed_attention.md): the whole grid needs about 10
-    # minutes, so a device call with less runs it in parts (--seq, --head-dim)
+    budget: float | None = 270.0  # no case starts later. On an H200 the N = 4096 half took 283 s, N = 16384 at
+    # D = 128 153 s and at D = 64 about 380 s over two calls (docs/results/composed_attention.md): the whole
+    # grid needs over 13 minutes, so a device call with less runs it in parts (--seq, --head-dim, --cases)
     repeats: int = 5  # timed calls per measurement, round-robin over the case's implementations: five, so
     # that every ratio a page quotes comes with the spread of five interleaved calls
 
