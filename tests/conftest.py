@@ -136,6 +136,9 @@ def np_allowed(shape, *, is_causal=False, window=None, q_lengths=None, kv_length
     return ok
 
 
+# Jitted: one program per shapes and options. Called outside a `jit`, each jnp
+# operation would compile on its own for every new shape.
+@functools.partial(jax.jit, static_argnames=("return_lse", "return_weights"))
 def jax_reference(q, k, v, allowed=None, bias=None, scale=None, cap=None, keep=None, rate=0.0, uniform_rows=None,
                   sinks=None, return_lse=False, return_weights=False):
     """Dense attention in plain `jax.numpy`, written apart from `jax_mha`, for comparing
@@ -191,8 +194,9 @@ KERNEL_PATHS = ("pallas_tpu", "pallas_gpu")
 
 
 def normal(rng, shape, dtype=jnp.float32):
-    """Fresh standard-normal inputs (never zeros), as a jax array."""
-    return jnp.asarray(rng.standard_normal(shape), dtype)
+    """Fresh standard-normal inputs (never zeros), as a jax array (cast in NumPy and
+    put on the device: `jnp.asarray` would compile a conversion per shape)."""
+    return jax.device_put(np.asarray(rng.standard_normal(shape), dtype))
 
 
 def randomize(params, seed=0):
@@ -201,7 +205,8 @@ def randomize(params, seed=0):
     NumPy draws: no XLA compilation per parameter shape (keeps the suite fast on CPU).
     """
     rng = np.random.default_rng(seed)
-    return jax.tree_util.tree_map(lambda x: jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype), params)
+    return jax.tree_util.tree_map(lambda x: jax.device_put(np.asarray(0.3 * rng.standard_normal(x.shape), x.dtype)),
+                                  params)
 
 
 def run(path, q, k, v, **kw):
