@@ -608,13 +608,20 @@ def same_layer_controls(scores, heads, draws: int, seed: int = 0) -> list[list[t
 
 def _gated_losses(params, model: HeadModel, heads, probe, repeat_length, text_inputs, early, late_from_end) -> dict:
     gates = jnp.asarray(gates_without(model.gate_shape, heads))
+    losses = _gated_loss_values(params, gates, probe, text_inputs, model=model, repeat_length=repeat_length,
+                                early=early, late_from_end=late_from_end)
+    names = ("second_copy_loss", "first_copy_loss", "early_loss", "late_loss")
+    return {"heads": [tuple(h) for h in heads], **{name: float(losses[name]) for name in names}}
+
+
+@functools.partial(jax.jit, static_argnames=("model", "repeat_length", "early", "late_from_end"))
+def _gated_loss_values(params, gates, probe, text_inputs, *, model, repeat_length, early, late_from_end) -> dict:
+    """The arms' four losses with `gates`: one program for every arm and control."""
     copying = head_types.copying_effect(model.apply(params, probe, gates), probe, repeat_length)
     nll = head_types.token_losses(model.apply(params, text_inputs, gates), text_inputs)
     tt = nll.shape[1]  # T - 1 scored positions
-    return {"heads": [tuple(h) for h in heads], "second_copy_loss": float(copying["second_copy_loss"]),
-            "first_copy_loss": float(copying["first_copy_loss"]),
-            "early_loss": float(nll[:, early[0] : early[1]].mean()),
-            "late_loss": float(nll[:, tt - late_from_end :].mean())}
+    return {"second_copy_loss": copying["second_copy_loss"], "first_copy_loss": copying["first_copy_loss"],
+            "early_loss": nll[:, early[0] : early[1]].mean(), "late_loss": nll[:, tt - late_from_end :].mean()}
 
 
 def induction_gating_check(
@@ -651,8 +658,8 @@ def induction_gating_check(
       with `controls`, "controls": a list of such dicts, one per draw.
     """
     t = text_inputs.shape[1]
-    early = early or (max(1, t // 16), max(2, t // 8))
-    late_from_end = late_from_end or max(1, t // 8)
+    early = tuple(map(int, early or (max(1, t // 16), max(2, t // 8))))  # static: hashable
+    late_from_end = int(late_from_end or max(1, t // 8))
     model = as_head_model(model)
     order = top_heads(scores, int(np.prod(model.gate_shape)))
     arms = {"none": [], "top": order[:k], "bottom": order[::-1][:k]}
