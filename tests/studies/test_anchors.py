@@ -281,15 +281,17 @@ def _run(module, tmp_path, *extra):
 
 
 def test_induction_anchor_tiny(tmp_path):
-    _, results, data = _run(anchor_induction, tmp_path, "--layers", "2")
-    arm = data["arms"]["2"]
+    # One layer and the preset's 10 steps: the very run of the registration test below, which
+    # then finds its programs compiled. One layer of two heads also tells the axes apart.
+    _, results, data = _run(anchor_induction, tmp_path, "--layers", "1", "--steps", "10")
+    arm = data["arms"]["1"]
     assert arm["seeds"] == [0, 1] and len(arm["max_prefix_matching"]) == 2
-    assert data["preregistration"]["overrides"] == {"layers": [2]}
+    assert data["preregistration"]["overrides"] == {"layers": [1], "steps": 10}
     r = results["probe_repeat"]
     assert data["chance"] == pytest.approx(head_types.prefix_matching_chance(r))
-    run = results["arms"]["2"]["runs"][0]
+    run = results["arms"]["1"]["runs"][0]
     pm = np.asarray(run["prefix_matching"])  # (evaluations, layers, heads)
-    assert pm.shape[1:] == (2, 2) and (0 <= pm).all() and (pm <= 1).all()
+    assert pm.shape[1:] == (1, 2) and (0 <= pm).all() and (pm <= 1).all()
     assert run["max_prefix_matching"] == pytest.approx(pm[-1].max())
 
 

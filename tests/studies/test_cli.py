@@ -218,21 +218,26 @@ def test_blockwise_memory_child_dies_with_its_parent(tmp_path, signum):
         assert err.strip().splitlines()[-1].startswith("interrupted: the rows measured so far are in")
 
 
-def test_blockwise_memory_states_its_memory_writes_each_row_and_resumes(tmp_path):
+def test_blockwise_memory_states_its_memory_writes_each_row_and_resumes(tmp_path, capsys):
+    """The parent in-process (its rows are measured in child processes all the same)."""
+    from experiments import blockwise_memory
+
     out = tmp_path / "results.json"
-    run = lambda *lengths: subprocess.run(
-        [sys.executable, "-m", "experiments.blockwise_memory", "--implementations", "xla", "--out", str(out),
-         "--lengths", *map(str, lengths)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    def run(*lengths):
+        code = blockwise_memory.main(["--implementations", "xla", "--out", str(out), "--lengths", *map(str, lengths)])
+        captured = capsys.readouterr()
+        assert code == 0, captured.err[-2000:]
+        return captured.out
+
     first = run(64)
-    assert first.returncode == 0, first.stderr[-2000:]
     assert re.match(r"needs about \d+\.\d GiB of free memory .*; this machine has \d+\.\d GiB available",
-                    first.stdout.splitlines()[0])
+                    first.splitlines()[0])
     assert (tmp_path / "peak_rss.png").read_bytes()[:4] == b"\x89PNG"
     second = run(64, 128)
-    assert second.returncode == 0, second.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["n"], r["status"]) for r in rows] == [(64, "ok"), (128, "ok")]
-    assert "(from the earlier run)" in next(l for l in second.stdout.splitlines() if l.split()[:1] == ["64"])
+    assert "(from the earlier run)" in next(l for l in second.splitlines() if l.split()[:1] == ["64"])
 
 
 def _imports(path: Path) -> set[str]:

@@ -160,7 +160,8 @@ def test_docs_load_and_decode_snippet(study):
 
 def test_mesh_option_gives_the_same_training(study, tmp_path):
     """--mesh data=2,model=2 on 4 simulated CPU devices trains the same models."""
-    env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    # Compiled at -O0 like the run it is compared with (conftest's flag, which this variable would otherwise drop).
+    env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
     proc = subprocess.run([sys.executable, "-m", "experiments.head_ablation", *ARGS, "--mesh",
                            "data=2,model=2", "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_in
 
 from experiments import common
 from jax_mha.lab.train import train_seeds
@@ -104,9 +105,9 @@ def test_training_writes_a_metrics_line_per_evaluation(tmp_path):
     cfg = common.tiny()  # 50 steps, an evaluation every 25
     path = tmp_path / "metrics.jsonl"
     bar = common.TrainingBar(cfg.train.num_steps, "test", disable=True,
-                             log=common.MetricsLog(path, cfg.seeds, {"heads": 2}))
-    try:
-        result = train_seeds(cfg.model_for(2), cfg.task, cfg.train, cfg.seeds, callback=bar)
+                             log=common.MetricsLog(path, cfg.seeds, {"heads": 4}))
+    try:  # 4 heads: the model the study below trains as a command, which then finds its programs compiled
+        result = train_seeds(cfg.model_for(4), cfg.task, cfg.train, cfg.seeds, callback=bar)
     finally:
         bar.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
@@ -163,9 +164,8 @@ def test_head_ablation_writes_metrics_jsonl_and_tensorboard_events(tmp_path):
         args += ["--tensorboard", str(tmp_path / "tb")]
     except ImportError:
         pass  # the metrics.jsonl half still runs
-    run = lambda: subprocess.run([sys.executable, "-m", "experiments.head_ablation", *args], cwd=ROOT, env=ENV,
-                                 capture_output=True, text=True, timeout=300)
-    done = run()
+    done = subprocess.run([sys.executable, "-m", "experiments.head_ablation", *args], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300)  # a command: its argv is the one recorded
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["metadata"]["argv"][1:] == args
@@ -178,6 +178,8 @@ def test_head_ablation_writes_metrics_jsonl_and_tensorboard_events(tmp_path):
             line["eval"]["exact_accuracy"])
     if "--tensorboard" in args:
         assert sorted(p.name for p in (tmp_path / "tb").iterdir()) == ["heads4_seed0", "heads4_seed1"]
-    again = run()  # the head count is done: skipped, nothing appended
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    from experiments import head_ablation
+
+    _, stdout = run_in(ROOT, head_ablation.main, args)  # the rerun, in-process: the head count is done
+    assert "h=4: already in" in stdout
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2  # skipped, nothing appended
