@@ -111,7 +111,7 @@ def test_head_dim_sets_the_projection_widths():
     # d_model 15, 3 heads of size 7: attention is 21 wide, not 15 (5 per head).
     cfg = ModelConfig(vocab_size=11, max_len=13, d_model=15, num_heads=3, head_dim=7, num_layers=2, d_ff=22)
     assert (cfg.size_per_head, cfg.attention_width) == (7, 21)
-    p = Decoder(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 13), jnp.int32))["params"]
+    p = jax.eval_shape(Decoder(cfg).init, jax.random.PRNGKey(0), jnp.zeros((1, 13), jnp.int32))["params"]  # shapes
     for layer in ("block_0", "block_1"):
         att = p[layer]["attention"]
         for name in ("query", "key", "value"):
@@ -125,13 +125,14 @@ def test_head_dim_model_runs_and_returns_per_head_weights():
     cfg = ModelConfig(vocab_size=11, max_len=13, d_model=10, num_heads=4, head_dim=5, num_layers=2, d_ff=14)
     model = Decoder(cfg)
     tokens = jnp.arange(26).reshape(2, 13) % 11
-    p = model.init(jax.random.PRNGKey(1), tokens)["params"]
-    logits, weights = model.apply({"params": p}, tokens, return_weights=True)
+    p = jax.jit(model.init)(jax.random.PRNGKey(1), tokens)["params"]
+    run = jax.jit(lambda p, t: model.apply({"params": p}, t, return_weights=True))  # one program for both inputs
+    logits, weights = run(p, tokens)
     assert logits.shape == (2, 13, 11) and weights.shape == (2, 2, 4, 13, 13)
     np.testing.assert_allclose(weights.sum(-1), 1.0, atol=f32_tolerance(terms=2 * 13, magnitude=1.0))  # 2 sums over T
     # Causal: changing the last token leaves every earlier position's logits alone.
     changed = tokens.at[:, -1].set((tokens[:, -1] + 1) % 11)
-    np.testing.assert_allclose(model.apply({"params": p}, changed)[:, :-1], logits[:, :-1],
+    np.testing.assert_allclose(run(p, changed)[0][:, :-1], logits[:, :-1],
                                atol=f32_tolerance(terms=model_terms(10, 20, 14), magnitude=logits))
 
 
@@ -140,8 +141,8 @@ def test_head_dim_equal_to_the_shared_size_is_the_same_model(params):
     # the same parameter tree (a different tree would be refused by name).
     tokens = jnp.arange(26).reshape(2, 13) % 11
     same = Decoder(dataclasses.replace(CONFIG, head_dim=CONFIG.d_model // CONFIG.num_heads))
-    np.testing.assert_array_equal(same.apply({"params": params}, tokens),
-                                  Decoder(CONFIG).apply({"params": params}, tokens))
+    np.testing.assert_array_equal(jax.jit(lambda p, t: same.apply({"params": p}, t))(params, tokens),
+                                  jax.jit(lambda p, t: Decoder(CONFIG).apply({"params": p}, t))(params, tokens))
 
 
 def test_decoder_errors_say_what_to_pass(params):
@@ -175,7 +176,7 @@ def test_logits_and_attention_weights_equals_return_weights(params):
     model = Decoder(CONFIG)
     tokens = (jnp.arange(3 * 13).reshape(3, 13) * 7) % 11
     logits, weights = logits_and_attention_weights(lambda t: model.apply({"params": params}, t), tokens)
-    ref_logits, ref_weights = model.apply({"params": params}, tokens, return_weights=True)
+    ref_logits, ref_weights = jax.jit(lambda p, t: model.apply({"params": p}, t, return_weights=True))(params, tokens)
     terms = model_terms(15, 15, 22)
     np.testing.assert_allclose(logits, ref_logits, atol=f32_tolerance(terms=terms, magnitude=ref_logits))
     np.testing.assert_allclose(weights, ref_weights, atol=f32_tolerance(terms=terms, magnitude=1.0))

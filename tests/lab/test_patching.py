@@ -42,7 +42,8 @@ def tol(want, terms=MODEL_TERMS):
 def decoder():
     cfg = ModelConfig(vocab_size=V, max_len=T, d_model=HEADS * D, num_heads=HEADS, num_layers=LAYERS, d_ff=13)
     model = Decoder(cfg)
-    params = randomize(model.init(jax.random.key(0), jnp.zeros((1, T), jnp.int32))["params"], seed=1)
+    # Shapes only: `randomize` draws every value (no eager initialisation to compile).
+    params = randomize(jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, T), jnp.int32))["params"], seed=1)
     a, b = (jax.random.randint(jax.random.key(s), (B, T), 0, V) for s in (2, 3))
     return model, params, a, b
 
@@ -150,7 +151,7 @@ class GQALM(nn.Module):
 
 @pytest.fixture(scope="module")
 def gqa():
-    params = randomize(GQALM().init(jax.random.key(4), jnp.zeros((1, T), jnp.int32))["params"], seed=5)
+    params = randomize(jax.eval_shape(GQALM().init, jax.random.key(4), jnp.zeros((1, T), jnp.int32))["params"], seed=5)
     apply = lambda p, x, gates, *, attention_fn=None: GQALM(attention_fn).apply({"params": p}, x, head_mask=gates)
     model = patching.HeadModel(apply, num_layers=1, num_heads=GQA_HEADS, vocab_size=V)
     a, b = (jax.random.randint(jax.random.key(s), (B, T), 0, V) for s in (6, 7))
@@ -201,8 +202,8 @@ def test_analyses_take_a_linen_model_of_ones_own(gqa):
     gates[0, 5] = 0.0
     from jax_mha.lab.train import scored_loss
 
-    base = scored_loss(model.apply(params, a, jnp.ones((1, GQA_HEADS))), batch)[0]
-    off = scored_loss(model.apply(params, a, jnp.asarray(gates)), batch)[0]
+    loss = jax.jit(lambda g: scored_loss(model.apply(params, a, g), batch)[0])  # one program for both gates
+    base, off = loss(jnp.ones((1, GQA_HEADS))), loss(jnp.asarray(gates))
     assert float(drops[0, 5]) == pytest.approx(float(off - base), rel=1e-4, abs=1e-6)
 
 

@@ -27,7 +27,10 @@ from jax_mha.lab.train import (
 TASK = CopyTaskConfig(length=6)
 MODEL = ModelConfig(vocab_size=TASK.vocab_size, max_len=TASK.seq_len, d_model=32, num_heads=4, num_layers=2, d_ff=64)
 TRAIN = TrainConfig(batch_size=32, num_steps=400, learning_rate=3e-3, warmup_steps=20,
-                    steps_per_call=50, eval_every=100, eval_size=128)
+                    steps_per_call=50, eval_every=50, eval_size=128)  # 2 layers solve it by step 100-150 (seeds 0-2)
+
+
+_make_batch = jax.jit(make_batch, static_argnums=(1, 2))  # one program per batch size, not op by op
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +40,24 @@ def trained():
     return result, jax.tree.map(lambda x: x[0], result.state.params)
 
 
-def test_one_step_lowers_loss_on_fixed_batch():
-    model = CopyTransformer(MODEL)
+SMALL = dataclasses.replace(MODEL, num_layers=1, d_model=16)  # compiles faster: the tests below are about the loop
+# Small batches: these runs compare two ways of running the same loop, not what it learns.
+SHORT = dataclasses.replace(TRAIN, num_steps=100, eval_every=50, early_stop=False, batch_size=8, eval_size=16)
+
+
+@pytest.fixture(scope="module")
+def one_step():
+    """The small model's initial state, a fixed batch and its optimizer (no warmup): the
+    two single-step tests below compile the same program once."""
+    model = CopyTransformer(SMALL)
     optimizer = make_optimizer(dataclasses.replace(TRAIN, warmup_steps=0))
-    state = init_state(jax.random.PRNGKey(0), model, optimizer)
-    batch = make_batch(jax.random.PRNGKey(1), TASK, 16)
+    init = jax.jit(lambda key: init_state(key, model, optimizer))
+    return model, optimizer, init, _make_batch(jax.random.PRNGKey(1), TASK, 16)
+
+
+def test_one_step_lowers_loss_on_fixed_batch(one_step):
+    model, optimizer, init, batch = one_step
+    state = init(jax.random.PRNGKey(0))
     step = jit_train_step(model, optimizer)
     before = float(step(jax.tree.map(jnp.copy, state), batch, jax.random.PRNGKey(2))[1]["loss"])
     state, metrics = step(state, batch, jax.random.PRNGKey(2))
@@ -51,11 +67,9 @@ def test_one_step_lowers_loss_on_fixed_batch():
     chex.assert_tree_all_finite(metrics)
 
 
-def test_train_step_donates_state_and_does_not_retrace():
-    model = CopyTransformer(MODEL)
-    optimizer = make_optimizer(TRAIN)
-    batch = make_batch(jax.random.PRNGKey(1), TASK, 8)
-    state = init_state(jax.random.PRNGKey(0), model, optimizer)
+def test_train_step_donates_state_and_does_not_retrace(one_step):
+    model, optimizer, init, batch = one_step
+    state = init(jax.random.PRNGKey(0))
     from jax_mha.lab.train import make_train_step
 
     step = jax.jit(chex.assert_max_traces(make_train_step(model, optimizer), n=1), donate_argnums=(0,))
@@ -78,7 +92,7 @@ def test_attention_is_needed(trained):
     """With every head gated off the model sees no earlier token: chance accuracy."""
     _, params = trained
     model = CopyTransformer(MODEL)
-    batch = make_batch(jax.random.PRNGKey(77), TASK, 256)
+    batch = _make_batch(jax.random.PRNGKey(77), TASK, 256)
     evaluate_jit = jax.jit(evaluate, static_argnums=(1, 2))  # one compilation for both gate settings
     on = evaluate_jit(params, model, TASK, batch, jnp.ones((MODEL.num_layers, MODEL.num_heads)))
     off = evaluate_jit(params, model, TASK, batch, jnp.zeros((MODEL.num_layers, MODEL.num_heads)))
@@ -87,12 +101,23 @@ def test_attention_is_needed(trained):
     assert float(off["exact_accuracy"]) < 0.01
 
 
+# Jitted once for the module with the parameters as arguments: the trained and the
+# untrained parameters run the same compiled programs.
+_MODEL = CopyTransformer(MODEL)
+_logits = lambda params, tokens, head_mask=None: _MODEL.apply({"params": params}, tokens, head_mask=head_mask)
+_teacher = jax.jit(_logits)
+_greedy = jax.jit(lambda params, batch, head_mask=None: greedy_decode(
+    lambda tokens: _logits(params, tokens, head_mask), batch))
+_cached_greedy = jax.jit(lambda params, batch, head_mask: greedy_decode(Decoding(
+    lambda tokens: _logits(params, tokens, head_mask), decode_step(params, MODEL, head_mask),
+    empty_cache(MODEL, batch["inputs"].shape[0], TASK.seq_len)), batch))
+
+
 def test_greedy_decode_matches_teacher_forcing_when_perfect(trained):
     _, params = trained
-    model = CopyTransformer(MODEL)
-    batch = make_batch(jax.random.PRNGKey(8), TASK, 64)
-    decoded = greedy_decode(lambda tokens: model.apply({"params": params}, tokens), batch)
-    teacher = jnp.argmax(model.apply({"params": params}, batch["inputs"]), -1)
+    batch = _make_batch(jax.random.PRNGKey(8), TASK, 64)
+    decoded = _greedy(params, batch)
+    teacher = jnp.argmax(_teacher(params, batch["inputs"]), -1)
     scored = np.asarray(batch["scored"])
     # Wherever teacher forcing is right on a whole sequence, greedy decoding is identical.
     all_right = np.all(np.where(scored, teacher == batch["targets"], True), -1)
@@ -105,30 +130,24 @@ def test_greedy_decode_matches_teacher_forcing_when_perfect(trained):
 def test_cached_greedy_decode_equals_rerunning_the_prefix(trained, params_from):
     """The KV-cache decoder the evaluation uses gives the reference's tokens, on a
     model that copies and on an untrained one (whose argmaxes are arbitrary)."""
-    model = CopyTransformer(MODEL)
-    batch = make_batch(jax.random.PRNGKey(10), TASK, 17)
-    params = trained[1] if params_from == "trained" else model.init(jax.random.PRNGKey(3), batch["inputs"])["params"]
+    batch = _make_batch(jax.random.PRNGKey(10), TASK, 17)
+    params = trained[1] if params_from == "trained" else jax.jit(_MODEL.init)(jax.random.PRNGKey(3), batch["inputs"])["params"]
     head_mask = jnp.ones((MODEL.num_layers, MODEL.num_heads)).at[1, 2].set(0.0)
-    logits_fn = lambda tokens: model.apply({"params": params}, tokens, head_mask=head_mask)
-    reference = jax.jit(lambda b: greedy_decode(logits_fn, b))(batch)
-    cached = Decoding(logits_fn, decode_step(params, MODEL, head_mask), empty_cache(MODEL, 17, TASK.seq_len))
-    np.testing.assert_array_equal(np.asarray(jax.jit(lambda b: greedy_decode(cached, b))(batch)), np.asarray(reference))
+    reference = _greedy(params, batch, head_mask)
+    np.testing.assert_array_equal(np.asarray(_cached_greedy(params, batch, head_mask)), np.asarray(reference))
     assert (np.asarray(reference)[np.asarray(batch["scored"])] > 0).any()
 
 
 def test_evaluate_attention_statistics(trained):
-    _, params = trained
-    metrics = evaluate(params, CopyTransformer(MODEL), TASK, make_batch(jax.random.PRNGKey(9), TASK, 32))
+    """`evaluate`'s per-head statistics, as the run's last held-out evaluation gave them."""
+    result, _ = trained
+    metrics = {name: value[0, -1] for name, value in result.evals.items() if name != "step"}
     for name in ("entropy", "entropy_normalized", "confidence"):
         chex.assert_shape(metrics[name], (MODEL.num_layers, MODEL.num_heads))
     assert np.all((metrics["entropy_normalized"] >= 0) & (metrics["entropy_normalized"] <= 1 + 1e-5))
     assert np.all((metrics["confidence"] > 0) & (metrics["confidence"] <= 1 + 1e-6))
     # A solved copy needs some head that is sharply focused.
     assert float(metrics["confidence"].max()) > 0.5
-
-
-SMALL = dataclasses.replace(MODEL, num_layers=1, d_model=16)  # compiles faster: the runs below are about the loop
-SHORT = dataclasses.replace(TRAIN, num_steps=100, eval_every=50, early_stop=False)
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ def _paths(tree):
 
 
 def test_mask_is_true_exactly_on_kernels_and_embeddings():
-    params = Decoder(CONFIG).init(jax.random.PRNGKey(0), jnp.zeros((1, 7), jnp.int32))["params"]
-    mask = _paths(weight_decay_mask(params))
+    params = jax.eval_shape(Decoder(CONFIG).init, jax.random.PRNGKey(0), jnp.zeros((1, 7), jnp.int32))["params"]
+    mask = _paths(weight_decay_mask(params))  # the mask reads the tree's paths only
     decayed = {p for p, m in mask.items() if m}
     expected = {p for p in mask if p.endswith(("kernel", "embedding")) or p == "positions"}
     assert decayed == expected
@@ -35,11 +35,11 @@ def test_adamw_step_with_zero_gradient_shrinks_only_decayed_leaves():
     cfg = TrainConfig(learning_rate=0.1, warmup_steps=0, weight_decay=0.5, num_steps=50)
     model = Decoder(CONFIG)
     optimizer = make_optimizer(cfg)
-    state = init_state(jax.random.PRNGKey(1), model, optimizer)
+    state = jax.jit(lambda key: init_state(key, model, optimizer))(jax.random.PRNGKey(1))
     params = jax.tree.map(lambda x: x + 1.0, state.params)  # biases start at 0: move every leaf off it
-    opt_state = optimizer.init(params)
-    updates, _ = optimizer.update(jax.tree.map(jnp.zeros_like, params), opt_state, params)
-    new = _paths(optax.apply_updates(params, updates))
+    # One program for the optimizer's init, update and its application (eagerly, each leaf's ops compile apart).
+    step = lambda p: optax.apply_updates(p, optimizer.update(jax.tree.map(jnp.zeros_like, p), optimizer.init(p), p)[0])
+    new = _paths(jax.jit(step)(params))
     old, mask = _paths(params), _paths(weight_decay_mask(params))
     for path, value in new.items():
         if mask[path]:

@@ -24,7 +24,7 @@ MODS = {
 
 def decode_all(module, params, x, chunks, jit, **kw):
     """Feeds `x (B, N, d)` in `chunks` (sizes) through the cache; the outputs joined."""
-    cache = module.init(jax.random.key(0), x)["cache"]
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(module.init, jax.random.key(0), x)["cache"])
     step = lambda p, c, t: module.apply({**p, "cache": c}, t, mutable=["cache"], **kw)
     step = jax.jit(step) if jit else step
     outs, start = [], 0
@@ -40,8 +40,8 @@ def decode_all(module, params, x, chunks, jit, **kw):
 def test_decoding_with_mods_equals_the_full_pass(rng, name, chunks, jit):
     x = normal(rng, (B, N, D_MODEL))
     full_module = MultiHeadAttention(num_heads=H, num_kv_heads=1, rope=True)
-    params = randomize(full_module.init(jax.random.key(0), x))
-    want = full_module.apply(params, x, is_causal=True, **MODS[name])
+    params = randomize(jax.eval_shape(full_module.init, jax.random.key(0), x))
+    want = jax.jit(lambda p, x: full_module.apply(p, x, is_causal=True, **MODS[name]))(params, x)
     got = decode_all(MultiHeadAttention(num_heads=H, num_kv_heads=1, rope=True, decode=True), params, x, chunks,
                      jit, **MODS[name])
     # The projections over d_model (q, k, v, and out), attention's sums over D and N.
@@ -63,8 +63,8 @@ def test_decoding_works_under_x64(rng):
     with x64():
         x = normal(rng, (B, N, D_MODEL), jnp.float64)
         full_module = MultiHeadAttention(num_heads=H, dtype=jnp.float64, param_dtype=jnp.float64)
-        params = randomize(full_module.init(jax.random.key(0), x))
-        want = full_module.apply(params, x, is_causal=True, **MODS["position_score_mod"])
+        params = randomize(jax.eval_shape(full_module.init, jax.random.key(0), x))
+        want = jax.jit(lambda p, x: full_module.apply(p, x, is_causal=True, **MODS["position_score_mod"]))(params, x)
         module = MultiHeadAttention(num_heads=H, decode=True, dtype=jnp.float64, param_dtype=jnp.float64)
         for jit in (False, True):
             got = decode_all(module, params, x, (4, 1, 1, 1), jit, **MODS["position_score_mod"])

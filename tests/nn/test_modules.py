@@ -899,20 +899,31 @@ def test_half_precision_modules_run_under_strict_promotion(rng, dtype, promotion
     flax statistics promote implicitly): forward, gradient and decoding."""
     x = normal(rng, (B, N, D_MODEL), dtype)
     mha = MultiHeadAttention(num_heads=H, normalize_qk=True, dtype=dtype)
-    params = init_params(mha, x)
-    # Jitted where it runs the model (the promotion mode is read while tracing).
-    y = jax.jit(lambda p, x: mha.apply(p, x, is_causal=True))(params, x)
-    assert y.dtype == dtype
-    grads = jax.jit(jax.grad(lambda p: jnp.sum(mha.apply(p, x).astype(jnp.float32))))(params)
-    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))
     block = TransformerBlock(num_heads=H, d_ff=7, dtype=dtype)
-    assert jax.jit(block.apply)(init_params(block, x), x).dtype == dtype
     decoder = MultiHeadAttention(num_heads=H, decode=True, dtype=dtype)
     dparams, cache = decode_variables(decoder, x)
-    out, _ = decode(decoder, dparams, cache, x, [2, 3])
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(
-        MultiHeadAttention(num_heads=H, dtype=dtype).apply({"params": dparams}, x, is_causal=True), np.float32),
-        atol=3e-2 if dtype != jnp.float32 else tol(out))
+
+    # One program per dtype (the promotion mode is read while tracing, so all of it is
+    # jitted): forward, gradient, the block, decoding in chunks of 2 and 3 through the
+    # cache, and the full causal pass it must equal.
+    @jax.jit
+    def run(params, block_params, dparams, cache, x):
+        y = mha.apply(params, x, is_causal=True)
+        grads = jax.grad(lambda p: jnp.sum(mha.apply(p, x).astype(jnp.float32)))(params)
+        outs = []
+        for start, n in ((0, 2), (2, 3)):
+            out, mutated = decoder.apply({"params": dparams, "cache": cache}, x[:, start:start + n], mutable=["cache"])
+            outs.append(out)
+            cache = mutated["cache"]
+        full = MultiHeadAttention(num_heads=H, dtype=dtype).apply({"params": dparams}, x, is_causal=True)
+        return y, grads, block.apply(block_params, x), jnp.concatenate(outs, axis=1), full
+
+    y, grads, block_out, out, full = run(init_params(mha, x), init_params(block, x), dparams, cache, x)
+    assert y.dtype == dtype
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))
+    assert block_out.dtype == dtype
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(full, np.float32),
+                               atol=3e-2 if dtype != jnp.float32 else tol(out))
 
 
 def segment_mask(ids):

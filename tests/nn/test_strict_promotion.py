@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import randomize
 from flax import nnx
 
 from jax_mha import MultiHeadAttention, TransformerBlock
@@ -35,7 +36,7 @@ def test_blocks_in_strict_mode_match_standard(dtype, pre_norm):
     x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 5, 12)), dtype)
     options = dict(dtype=dtype, pre_norm=pre_norm, normalize_qk=True, rope=True)
     linen = TransformerBlock(num_heads=3, d_ff=10, **options)
-    params = linen.init(jax.random.key(0), x)
+    params = randomize(jax.eval_shape(linen.init, jax.random.key(0), x))  # NumPy draws: nothing to compile
     block = jax_mha_nnx.TransformerBlock(12, 3, 10, **options, rngs=nnx.Rngs(0))
     # Jitted (the promotion mode is read while tracing, so each mode compiles its own).
     run = lambda: (jax.jit(lambda p, x: linen.apply(p, x, is_causal=True))(params, x),
@@ -57,7 +58,7 @@ def test_attention_module_in_half_precision_parameters(dtype):
     """
     x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 5, 12)), dtype)
     mha = MultiHeadAttention(num_heads=3, num_kv_heads=1, dtype=dtype, param_dtype=dtype, rope=True)
-    params = mha.init(jax.random.key(0), x)
-    y, weights = mha.apply(params, x, is_causal=True, return_weights=True)
+    params = randomize(jax.eval_shape(mha.init, jax.random.key(0), x))
+    y, weights = jax.jit(lambda p, x: mha.apply(p, x, is_causal=True, return_weights=True))(params, x)
     assert y.dtype == weights.dtype == dtype
     assert bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
