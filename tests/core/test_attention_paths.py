@@ -12,6 +12,7 @@ transformations. Axes have distinct prime sizes so a swapped axis cannot pass.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import subprocess
 import sys
@@ -132,7 +133,8 @@ def test_xla_beyond_the_whole_scores_budget_runs_the_engine(rng, monkeypatch, na
     def run_and_grads():  # fresh functions: JAX caches traces by function
         f = lambda q, k, v: attention(q, k, v, implementation="xla", **kw)
         loss = lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
-        return str(jax.make_jaxpr(f)(q, k, v)), f(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+        both = jax.jit(lambda q, k, v: (f(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))
+        return str(jax.make_jaxpr(f)(q, k, v)), *both(q, k, v)
 
     whole_jaxpr, _, whole_grads = run_and_grads()
     monkeypatch.setattr(dense, "WHOLE_SCORES_MAX_BYTES", 0)
@@ -208,24 +210,21 @@ def test_transformations_match_float64_autodiff(rng, path, transform):
         out_fn = lambda q, k, v, bias: run(path, q, k, v, bias=bias, **kw)
         ref_fn = lambda q, k, v, bias: jax_reference(q, k, v, allowed, bias)
         scalar = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
-        if transform == "jit":
-            got, want = jax.jit(out_fn)(*args), ref_fn(*args)
-        elif transform == "vmap":  # over a new leading axis of q only
-            qs = jnp.stack([args[0], 2 * args[0], -args[0]])
-            got = jax.vmap(out_fn, in_axes=(0, None, None, None))(qs, *args[1:])
-            want = jax.vmap(ref_fn, in_axes=(0, None, None, None))(qs, *args[1:])
-        elif transform == "grad":
-            got, want = (jax.grad(scalar(f), argnums=(0, 1, 2, 3))(*args) for f in (out_fn, ref_fn))
-        elif transform == "vjp":
-            ct = jnp.asarray(rng.normal(size=args[0].shape))
-            got, want = (jax.vjp(f, *args)[1](ct) for f in (out_fn, ref_fn))
-        elif transform == "jvp":
-            tangents = tuple(jnp.asarray(rng.normal(size=x.shape)) for x in args)
-            got, want = (jax.jvp(f, args, tangents) for f in (out_fn, ref_fn))
-        elif transform == "jacfwd":
-            got, want = (jax.jacfwd(f, argnums=1)(*args) for f in (out_fn, ref_fn))
-        else:  # forward-over-reverse
-            got, want = (jax.hessian(scalar(f))(*args) for f in (out_fn, ref_fn))
+        qs = jnp.stack([args[0], 2 * args[0], -args[0]])
+        ct = jnp.asarray(rng.normal(size=args[0].shape))
+        tangents = tuple(jnp.asarray(rng.normal(size=x.shape)) for x in args)
+        transformed = {  # each a function of the arguments
+            "jit": lambda f: f,
+            "vmap": lambda f: lambda q, *rest: jax.vmap(f, in_axes=(0, None, None, None))(qs, *rest),  # over a new axis of q
+            "grad": lambda f: jax.grad(scalar(f), argnums=(0, 1, 2, 3)),
+            "vjp": lambda f: lambda *a: jax.vjp(f, *a)[1](ct),
+            "jvp": lambda f: lambda *a: jax.jvp(f, a, tangents),
+            "jacfwd": lambda f: jax.jacfwd(f, argnums=1),
+            "hessian": lambda f: jax.hessian(scalar(f)),  # forward-over-reverse
+        }[transform]
+        got = (jax.jit(out_fn) if transform == "jit" else transformed(out_fn))(*args)
+        # The reference as one jitted program (its eager ops would each compile).
+        want = jax.jit(transformed(ref_fn))(*args)
         chex.assert_trees_all_close(got, want, atol=1e-10, rtol=1e-9)
 
 
@@ -273,29 +272,42 @@ def test_dtype_in_is_dtype_out(rng, path, dtype):
             np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=tol, rtol=tol)
 
 
+@functools.cache
+def _bfloat16_case():
+    """The bfloat16 inputs, the output cotangent, the float64 reference's output and dq
+    on those exact inputs, and jax.nn's mean |errors|: the same for every path, so
+    computed once (each a single jitted program)."""
+    rng = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 4, 67, 32)) * 2) for _ in range(3))
+    ct = jnp.asarray(rng.normal(size=q.shape))
+    low = tuple(x.astype(jnp.bfloat16) for x in (q, k, v))
+    with x64():
+        exact = tuple(jnp.asarray(np.asarray(x.astype(jnp.float32), np.float64)) for x in low)
+        want, dq64 = jax.jit(lambda q, k, v, ct: _out_and_dq(jax_reference, (q, k, v), ct))(
+            *exact, jnp.asarray(np.asarray(ct), jnp.float64))
+    want, dq64 = np.asarray(want), np.asarray(dq64)
+    nn = lambda q, k, v: jnp.swapaxes(jax.nn.dot_product_attention(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v))), 1, 2)
+    nn_errors = _bfloat16_errors(jax.jit(lambda q, k, v, ct: _out_and_dq(nn, (q, k, v), ct))(*low, ct.astype(jnp.bfloat16)),
+                                 want, dq64)
+    return low, ct.astype(jnp.bfloat16), want, dq64, nn_errors
+
+
+def _out_and_dq(f, args, ct):
+    out, pull = jax.vjp(f, *args)
+    return out, pull(ct)[0]
+
+
+def _bfloat16_errors(out_and_dq, want, dq64):
+    out, dq = out_and_dq
+    return (np.mean(np.abs(np.asarray(out, np.float64) - want)), np.mean(np.abs(np.asarray(dq, np.float64) - dq64)))
+
+
 @pytest.mark.parametrize("path", ("xla", "blockwise", "weights"))
 def test_bfloat16_at_least_as_accurate_as_jax_nn(path):
     """Mean |error| of the output and of dq against float64, ours vs jax.nn's, over the
     same bfloat16 inputs (logits scaled after the matmul, in float32)."""
-    rng = np.random.default_rng(7)
-    q, k, v = (jnp.asarray(rng.normal(size=(2, 4, 67, 32)) * 2) for _ in range(3))
-    ct = jnp.asarray(rng.normal(size=q.shape))
-    nn = lambda q, k, v: jnp.swapaxes(jax.nn.dot_product_attention(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v))), 1, 2)
-    ours = lambda q, k, v: run(path, q, k, v)
-
-    def errors(f):
-        low = tuple(x.astype(jnp.bfloat16) for x in (q, k, v))
-        out, pull = jax.vjp(f, *low)
-        exact = tuple(np.asarray(x.astype(jnp.float32), np.float64) for x in low)
-        with x64():
-            exact = tuple(jnp.asarray(x) for x in exact)
-            want, pull64 = jax.vjp(lambda *a: jax_reference(*a), *exact)
-            dq64 = pull64(jnp.asarray(np.asarray(ct), jnp.float64))[0]
-        dq = pull(ct.astype(jnp.bfloat16))[0]
-        return (np.mean(np.abs(np.asarray(out, np.float64) - np.asarray(want))),
-                np.mean(np.abs(np.asarray(dq, np.float64) - np.asarray(dq64))))
-
-    (ours_out, ours_dq), (nn_out, nn_dq) = errors(ours), errors(nn)
+    low, ct, want, dq64, (nn_out, nn_dq) = _bfloat16_case()
+    ours_out, ours_dq = _bfloat16_errors(_out_and_dq(lambda q, k, v: run(path, q, k, v), low, ct), want, dq64)
     assert ours_out <= nn_out * 1.05, (ours_out, nn_out)
     assert ours_dq <= nn_dq * 1.05, (ours_dq, nn_dq)
 

@@ -116,7 +116,7 @@ def test_merge_attentions_over_disjoint_key_sets_is_exact(rng, path):
                                    kv_segment_ids=ids_kv, return_residual=True, implementation=path, **blocks))
         return merge_attentions(parts)
 
-    out, lse = merged(q, k, v)
+    out, lse = jax.jit(merged)(q, k, v)  # jitted: eager, each operation would compile
     allowed = np_allowed((B, H, N, S), is_causal=True)
     allowed[1] &= np.broadcast_to(parts_of < 2, allowed[1].shape)  # sequence 1: part 2 is empty
     want_out, want_lse = reference(q, k, v, allowed)
@@ -125,10 +125,10 @@ def test_merge_attentions_over_disjoint_key_sets_is_exact(rng, path):
                                atol=f32_tolerance(terms=FORWARD_TERMS + 3, magnitude=want_out))
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse),
                                atol=f32_tolerance(terms=LSE_TERMS + 3, magnitude=want_lse))
-    g = jax.grad(lambda q: jnp.sum(merged(q, k, v)[0] ** 2))(q)
+    g = jax.jit(jax.grad(lambda q: jnp.sum(merged(q, k, v)[0] ** 2)))(q)
     with x64():
         f64 = lambda x: jnp.asarray(x, jnp.float64)
-        g_want = jax.grad(lambda q: jnp.sum(jax_reference(q, f64(k), f64(v), allowed=allowed) ** 2))(f64(q))
+        g_want = jax.jit(jax.grad(lambda q: jnp.sum(jax_reference(q, f64(k), f64(v), allowed=allowed) ** 2)))(f64(q))
     np.testing.assert_allclose(np.asarray(g), np.asarray(g_want),
                                atol=f32_tolerance(terms=BACKWARD_TERMS + 3, magnitude=g_want))
 
@@ -162,9 +162,9 @@ def test_modules_own_a_sinks_parameter(rng):
     params = jax.tree_util.tree_map(lambda a: a + 0.3, params)
     ours = jax_mha.nnx.MultiHeadAttention(3, 12, sinks=True, rngs=nnx.Rngs(0))
     ours = jax_mha.nnx.from_linen_params(ours, params["params"])
-    want = np.asarray(linen.apply(params, x))  # projections over d_model=12 in and out, attention's sums
+    want = np.asarray(jax.jit(linen.apply)(params, x))  # projections over d_model=12 in and out, attention's sums
     np.testing.assert_allclose(np.asarray(ours(x)), want, atol=f32_tolerance(terms=4 * 12 + 4 + 2 * N, magnitude=want))
-    g = jax.grad(lambda p: jnp.sum(linen.apply(p, x) ** 2))(params)
+    g = jax.jit(jax.grad(lambda p: jnp.sum(linen.apply(p, x) ** 2)))(params)
     assert float(jnp.abs(g["params"]["sinks"]).sum()) > 0
     with pytest.raises(ValueError, match="sinks"):  # weights with sinks into a module without them
         jax_mha.MultiHeadAttention(num_heads=3).apply(params, x)

@@ -146,7 +146,9 @@ def test_divisibility_checks_name_both_numbers():
 
 @pytest.fixture(scope="module")
 def multi_device():
-    env = script_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}", JAX_PLATFORMS="cpu")
+    # Optimisation level 0, as conftest sets for the suite: compiling is most of the subprocess's time.
+    flags = f"--xla_force_host_platform_device_count={NUM_DEVICES} --xla_backend_optimization_level=0"
+    env = script_env(XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=300,
     )

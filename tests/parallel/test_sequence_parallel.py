@@ -21,13 +21,17 @@ import pytest
 from conftest import f32_tolerance, script_env
 
 SEQ_LEN = 16  # T: a multiple of P² = 16, the striped causal layout on 4 devices
-# The float32 sums of the worker's model (d_model 12, 3 heads, d_ff 20, 2 layers, batch
+# One layer: the ring runs in it forward and backward, on tokens split over the
+# sequence axis; a second layer would run the same program again (and double the
+# compile time of the subprocess, most of its cost).
+NUM_LAYERS = 1
+# The float32 sums of the worker's model (d_model 12, 3 heads, d_ff 20, NUM_LAYERS, batch
 # 3), for the tolerances: per layer two layer norms (mean and variance), the q/k/v
 # projections, attention (logits over D=4, the softmax sum and weights @ v over T),
 # the output projection and the MLP; the final norm and the logits; the loss adds the
 # softmax over the 103 characters and the mean over B*T; a gradient runs it backward
 # and sums over the tokens; a training step adds that to the parameters.
-FORWARD_TERMS = 2 * (2 * 2 * 12 + 12 + 4 + 2 * SEQ_LEN + 12 + 12 + 20) + 2 * 12 + 12
+FORWARD_TERMS = NUM_LAYERS * (2 * 2 * 12 + 12 + 4 + 2 * SEQ_LEN + 12 + 12 + 20) + 2 * 12 + 12
 LOSS_TERMS = FORWARD_TERMS + 103 + 3 * SEQ_LEN
 STEP_TERMS = 2 * LOSS_TERMS + 3 * SEQ_LEN
 
@@ -41,7 +45,7 @@ def _worker() -> dict:
 
     out: dict = {}
     task = TextTaskConfig(seq_len=SEQ_LEN)
-    model_cfg = ModelConfig(vocab_size=task.vocab_size, max_len=SEQ_LEN, d_model=12, num_heads=3, num_layers=2,
+    model_cfg = ModelConfig(vocab_size=task.vocab_size, max_len=SEQ_LEN, d_model=12, num_heads=3, num_layers=NUM_LAYERS,
                             d_ff=20)
     train = TrainConfig(batch_size=3, num_steps=6, steps_per_call=3, eval_every=6, eval_size=4, warmup_steps=1,
                         learning_rate=3e-3, early_stop=False)
@@ -89,7 +93,9 @@ def _worker() -> dict:
 
 @pytest.fixture(scope="module")
 def four_devices():
-    env = script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    # Optimisation level 0, as conftest sets for the suite: compiling is most of the subprocess's time.
+    flags = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
+    env = script_env(XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
