@@ -97,7 +97,7 @@ def compare_feature(kernel, feature, reference_device=None):
     (_, got), grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, f32)
     with x64(), jax.default_device(reference_device or jax.devices()[0]):
         f64 = {n: jnp.asarray(x, jnp.float64) for n, x in values.items()}
-        (_, want), want_grads = jax.value_and_grad(reference, argnums=(0, 1, 2, 3), has_aux=True)(
+        (_, want), want_grads = jax.jit(jax.value_and_grad(reference, argnums=(0, 1, 2, 3), has_aux=True))(
             *(jnp.asarray(x, jnp.float64) for x in (q, k, v)), f64)
     return (got, grads), (want, want_grads)
 
@@ -129,10 +129,11 @@ def test_half_precision_gradients_stay_within_the_reference_error_at_sharp_logit
         allowed = np_allowed((B, H, N, S), is_causal=True)
         return jnp.sum(jax_reference(q, k, v, allowed=allowed).astype(jnp.float32) * w)
 
-    got = jax.grad(ours, argnums=(0, 1, 2))(*map(half, (q, k, v)))
-    base = jax.grad(plain, argnums=(0, 1, 2))(*map(half, (q, k, v)))
+    # Each gradient as one program (eagerly, every operation around the kernel compiles).
+    got = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(*map(half, (q, k, v)))
+    base = jax.jit(jax.grad(plain, argnums=(0, 1, 2)))(*map(half, (q, k, v)))
     with x64():
-        exact = jax.grad(plain, argnums=(0, 1, 2))(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
+        exact = jax.jit(jax.grad(plain, argnums=(0, 1, 2)))(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
     for name, a, b, e in zip("qkv", got, base, exact):
         e = np.asarray(e)
         err = np.max(np.abs(np.asarray(a, np.float64) - e))

@@ -44,9 +44,10 @@ def _dispatched(mod, q, k, v, vis):
     call = _masking.Call(q, k, v)
     assert mod.refusal(vis, call) is None
     if mod is pallas_gpu:  # a path's run (the library's kernel)
-        out = mod.run(q, k, v, jnp.zeros(k.shape[:-1], bool), vis, call, scale=SCALE)[0].astype(q.dtype)
+        run = lambda q, k, v: mod.run(q, k, v, jnp.zeros(k.shape[:-1], bool), vis, call, scale=SCALE)[0].astype(q.dtype)
     else:  # splash's kernel function
-        out = mod.run(q, k, v, vis, scale=SCALE, interpret=True)
+        run = lambda q, k, v: mod.run(q, k, v, vis, scale=SCALE, interpret=True)
+    out = jax.jit(run)(q, k, v)  # one program: eagerly, each operation around the kernel compiles apart
     assert out.shape == q.shape[:-1] + v.shape[-1:] and out.dtype == q.dtype
     empty, _ = _masking.dense_rows(vis, jnp.zeros(k.shape[:-1], bool), q.shape[-3])
     return jnp.where(empty[..., None], 0.0, out.astype(jnp.float32))
