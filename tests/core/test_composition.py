@@ -283,6 +283,20 @@ def ring_results(request):
     return results
 
 
+def test_the_default_draw_covers_what_it_promises():
+    """The CI draw (`_draw`): every path under every transformation, no cell that is
+    only "n/a", every feature in cells of at least 3 paths, every refusal once, and the
+    ring under jit, grad and jvp with each feature it refuses."""
+    assert {(p, t) for p, _, t in DRAWN_CELLS} == set(itertools.product(PATHS, TRANSFORMS))
+    assert not [c for c in DRAWN_CELLS if any((c[0], f) in NOT_APPLICABLE for f in c[1])]
+    for feature in FEATURES:
+        assert len({p for p, pair, _ in DRAWN_CELLS if feature in pair}) >= 3, feature
+    for path, refused in REFUSES.items():
+        cells = DRAWN_RING if path == "ring" else DRAWN_CELLS
+        assert set(refused) <= {f for p, pair, _ in cells if p == path for f in pair}, path
+    assert {"jit", "grad", "jvp"} <= {t for _, _, t in DRAWN_RING}
+
+
 def test_ring_cell(ring_cell, ring_results):
     status = ring_results[_name(ring_cell)]
     assert status in ("ok", "refused", "n/a"), status
