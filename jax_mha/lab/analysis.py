@@ -606,22 +606,25 @@ def same_layer_controls(scores, heads, draws: int, seed: int = 0) -> list[list[t
             for _ in range(draws)]
 
 
+_ARM_LOSSES = ("second_copy_loss", "first_copy_loss", "early_loss", "late_loss")
+
+
 def _gated_losses(params, model: HeadModel, heads, probe, repeat_length, text_inputs, early, late_from_end) -> dict:
     gates = jnp.asarray(gates_without(model.gate_shape, heads))
-    losses = _gated_loss_values(params, gates, probe, text_inputs, model=model, repeat_length=repeat_length,
-                                early=early, late_from_end=late_from_end)
-    names = ("second_copy_loss", "first_copy_loss", "early_loss", "late_loss")
-    return {"heads": [tuple(h) for h in heads], **{name: float(losses[name]) for name in names}}
+    losses = jax.device_get(_gated_loss_values(params, gates, probe, text_inputs, model=model,
+                                               repeat_length=repeat_length, early=early, late_from_end=late_from_end))
+    return {"heads": [tuple(h) for h in heads], **{name: float(x) for name, x in zip(_ARM_LOSSES, losses)}}
 
 
 @functools.partial(jax.jit, static_argnames=("model", "repeat_length", "early", "late_from_end"))
-def _gated_loss_values(params, gates, probe, text_inputs, *, model, repeat_length, early, late_from_end) -> dict:
-    """The arms' four losses with `gates`: one program for every arm and control."""
+def _gated_loss_values(params, gates, probe, text_inputs, *, model, repeat_length, early, late_from_end) -> tuple:
+    """The `_ARM_LOSSES` with `gates`, one program for every arm and control (a tuple:
+    a dict would come back in sorted key order)."""
     copying = head_types.copying_effect(model.apply(params, probe, gates), probe, repeat_length)
     nll = head_types.token_losses(model.apply(params, text_inputs, gates), text_inputs)
     tt = nll.shape[1]  # T - 1 scored positions
-    return {"second_copy_loss": copying["second_copy_loss"], "first_copy_loss": copying["first_copy_loss"],
-            "early_loss": nll[:, early[0] : early[1]].mean(), "late_loss": nll[:, tt - late_from_end :].mean()}
+    return (copying["second_copy_loss"], copying["first_copy_loss"], nll[:, early[0] : early[1]].mean(),
+            nll[:, tt - late_from_end :].mean())
 
 
 def induction_gating_check(
