@@ -273,8 +273,7 @@ def attention(
       scale: the logit scale, a static number. Default None: `1/sqrt(D)`.
       local_window_size: `(left, right)`, or `w` for `(w, w)`: key `j` visible only if
         `i + S - N - left <= j <= i + S - N + right`; a None side is unbounded. Default None.
-      q_lengths: int, broadcastable to `(B…)`: valid queries per sequence; rows past it output 0.
-        Default None.
+      q_lengths: int, broadcastable to `(B…)`: valid queries per sequence; rows past it output 0. Default None.
       kv_lengths: int, broadcastable to `(B…)`: valid keys per sequence. Default None.
       q_segment_ids: int `(B…, N)`: packed sequences, query `i` sees key `j` only when
         `q_segment_ids[i] == kv_segment_ids[j]`. Default None.
@@ -285,8 +284,7 @@ def attention(
         FlexAttention's. Default None.
       mask_mod: `mask_mod(batch, head, q_idx, kv_idx) -> bool`, True = may attend. Default None.
       logits_soft_cap: a static `c > 0`: logits become `c · tanh(logits / c)`. Default None.
-      sinks: float `(H,)`: per query head, the logit of a virtual key of value zero.
-        Default None.
+      sinks: float `(H,)`: per query head, the logit of a virtual key of value zero. Default None.
       block_schedule: `block_schedule(...)` of this call's pattern, built once and given
         to every layer (FlexAttention's block mask), read by the library's kernel; it
         must describe the same pattern. Default None: the kernel builds its own.
