@@ -88,7 +88,7 @@ def time_one(impl: str, heads: int, seq: int, cfg: TimingConfig) -> dict:
     """One row: forward and forward+backward of one implementation at one size."""
     module = make_module(impl, heads, cfg.d_model)
     x = jax.random.normal(jax.random.PRNGKey(seq), (cfg.batch, seq, cfg.d_model), jnp.float32)
-    params = module.init(jax.random.PRNGKey(1), x[:1, :8])["params"]
+    params = jax.jit(module.init)(jax.random.PRNGKey(1), x[:1, :8])["params"]  # one program, not one per operation
     forward = jax.jit(lambda p, x: module.apply({"params": p}, x))
     # Gradients w.r.t. parameters and input, as in training a stack of layers.
     loss = lambda p, x: jnp.mean(jnp.square(module.apply({"params": p}, x)))

@@ -66,16 +66,38 @@ def _attention_only_reference(params, tokens, num_heads: int, head_dim: int) -> 
     return x @ f64(params["logits"]["kernel"]) + f64(params["logits"]["bias"])
 
 
+# Jitted: init and apply called eagerly would compile each of their operations on its own.
+def _init(module, x, seed=0):
+    """`module.init(key(seed), x)["params"]` as one program."""
+    return jax.jit(lambda key, x: module.init(key, x)["params"])(jax.random.key(seed), x)
+
+
+def _apply(module, params, x, **kwargs):
+    """`module.apply({"params": params}, x, **kwargs)` as one program."""
+    return jax.jit(lambda p, x: module.apply({"params": p}, x, **kwargs))(params, x)
+
+
+@jax.jit
+def _off_init(params):
+    """Every parameter moved off its initial value (zero biases, unit scales) by N(0, 0.3²)."""
+    return jax.tree.map(lambda p: p + 0.3 * jax.random.normal(jax.random.key(2), p.shape), params)
+
+
+def _tokens(seed, shape, vocab):
+    """Uniform token ids, drawn in NumPy (no program per shape)."""
+    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, shape), jnp.int32)
+
+
 def test_attention_only_decoder_matches_a_float64_reference():
     # Every size different (V 7, T 11, d 5, H 3, D 2: attention width 6 != d) so a swapped axis cannot pass.
     cfg = ModelConfig(vocab_size=7, max_len=13, d_model=5, num_heads=3, head_dim=2, num_layers=2, d_ff=0)
     model = Decoder(cfg)
-    tokens = jax.random.randint(jax.random.key(1), (2, 11), 0, 7)
-    params = model.init(jax.random.key(0), tokens)["params"]
+    tokens = _tokens(1, (2, 11), 7)
+    params = _init(model, tokens)
     for name in ("block_0", "block_1"):
         assert sorted(params[name]) == ["attention", "norm1"]  # no ffn, no norm2
-    params = jax.tree.map(lambda p: p + 0.3 * jax.random.normal(jax.random.key(2), p.shape), params)  # off init
-    logits, weights = model.apply({"params": params}, tokens, return_weights=True)
+    params = _off_init(params)
+    logits, weights = _apply(model, params, tokens, return_weights=True)
     want = _attention_only_reference(params, np.asarray(tokens), 3, 2)
     # Per layer: the norm (mean and variance over d), the projections over d, the logits
     # over D, the softmax sum and weights @ v over T, the output projection over H*D;
@@ -88,10 +110,10 @@ def test_attention_only_decoder_matches_a_float64_reference():
 def test_attention_only_decoder_decodes_through_its_cache_and_refuses_a_negative_width():
     cfg = ModelConfig(vocab_size=7, max_len=13, d_model=6, num_heads=2, num_layers=2, d_ff=0)
     model = Decoder(cfg)
-    prompt = jax.random.randint(jax.random.key(3), (3, 4), 0, 7)
-    params = model.init(jax.random.key(0), prompt)["params"]
+    prompt = _tokens(3, (3, 4), 7)
+    params = _init(model, prompt)
     out = generate(params, model, prompt, 7)  # through the KV cache, token by token
-    full = model.apply({"params": params}, out)  # the whole sequence at once
+    full = _apply(model, params, out)  # the whole sequence at once
     np.testing.assert_array_equal(out[:, 4:], jnp.argmax(full[:, 3:-1], -1))  # each token the full pass's argmax
     with pytest.raises(ValueError, match="d_ff must be >= 0, got -1"):
         ModelConfig(d_ff=-1)
@@ -113,16 +135,18 @@ def test_causal_conv_equals_a_loop_for_short_and_long_filters():
 
 def test_gated_conv_mixer_shapes_and_causality():
     mixer = GatedConvMixer(max_len=16, kernel_size=3)
-    x = jax.random.normal(jax.random.key(0), (2, 5, 11, 6))  # extra batch axes (B…, T, d)
-    params = mixer.init(jax.random.key(1), x)["params"]
+    x = np.random.default_rng(0).standard_normal((2, 5, 11, 6)).astype(np.float32)  # extra batch axes (B…, T, d)
+    params = _init(mixer, x, seed=1)
     shapes = jax.tree.map(jnp.shape, params)
     assert shapes == {"in_proj": {"kernel": (6, 18), "bias": (18,)}, "short_filter": (3, 18), "long_filter": (16, 6),
                       "out_proj": {"kernel": (6, 6), "bias": (6,)}}
-    y = mixer.apply({"params": params}, x)
+    apply = jax.jit(lambda p, x: mixer.apply({"params": p}, x))
+    y = apply(params, x)
     assert y.shape == x.shape and bool(jnp.all(jnp.isfinite(y)))
     for t in (0, 4, 9):  # the output up to t is the same, exactly, whatever comes after t
-        later = x.at[..., t + 1:, :].set(jax.random.normal(jax.random.key(t + 2), x[..., t + 1:, :].shape))
-        z = mixer.apply({"params": params}, later)
+        later = x.copy()
+        later[..., t + 1:, :] = np.random.default_rng(t + 2).standard_normal(x[..., t + 1:, :].shape)
+        z = apply(params, later)
         np.testing.assert_array_equal(z[..., : t + 1, :], y[..., : t + 1, :])
         assert not np.allclose(z[..., t + 1:, :], y[..., t + 1:, :])  # and what follows does change
     with pytest.raises(ValueError, match="exceeds the long filter's max_len=16"):
@@ -133,13 +157,15 @@ def test_gated_conv_decoder_is_causal_and_refuses_what_needs_heads():
     cfg = ModelConfig(vocab_size=9, max_len=12, d_model=8, num_heads=1, num_layers=2, d_ff=0, mixer="gated_conv",
                       conv_kernel=4)
     model = Decoder(cfg)
-    tokens = jax.random.randint(jax.random.key(0), (3, 12), 0, 9)
-    params = model.init(jax.random.key(1), tokens)["params"]
+    tokens = _tokens(0, (3, 12), 9)
+    params = _init(model, tokens, seed=1)
     assert sorted(params["block_0"]) == ["mixer", "norm1"] and params["block_1"]["mixer"]["short_filter"].shape == (4, 24)
-    logits = model.apply({"params": params}, tokens)
+    apply = jax.jit(lambda p, t: model.apply({"params": p}, t))
+    logits = apply(params, tokens)
     assert logits.shape == (3, 12, 9)
-    changed = tokens.at[:, 7:].set((tokens[:, 7:] + 1) % 9)
-    np.testing.assert_array_equal(model.apply({"params": params}, changed)[:, :7], logits[:, :7])
+    changed = np.asarray(tokens).copy()
+    changed[:, 7:] = (changed[:, 7:] + 1) % 9
+    np.testing.assert_array_equal(apply(params, changed)[:, :7], logits[:, :7])
     for kwargs in ({"return_weights": True}, {"head_mask": jnp.ones((2, 1))}):
         with pytest.raises(ValueError, match="has no heads"):
             model.apply({"params": params}, tokens, **kwargs)
@@ -190,15 +216,21 @@ def test_in_context_strategies_equal_brute_force_counts():
 
 def test_markov_eval_metrics_are_the_strategies_losses_and_divergences():
     task = MarkovTaskConfig(seq_len=13, num_states=5)
-    batch = task.batch(jax.random.key(4), 7)
-    bigram = in_context_strategies(batch["inputs"], 5)["bigram"]
-    logits = jnp.log(bigram) + 3.0  # softmax-invariant shift: the model *is* the bigram strategy
-    out = task.eval_metrics(None, logits, batch)
+
+    @jax.jit  # one program, not one per operation
+    def metrics(key):
+        batch = task.batch(key, 7)
+        bigram = in_context_strategies(batch["inputs"], 5)["bigram"]
+        logits = jnp.log(bigram) + 3.0  # softmax-invariant shift: the model *is* the bigram strategy
+        return batch, logits, task.eval_metrics(None, logits, batch), scored_loss(logits, batch)[0]
+
+    batch, logits, out, loss = metrics(jax.random.key(4))
+    assert batch["inputs"].shape == (7, 13)
     # The float32 sums: a softmax over the 5 states, the means over the 7 x 13 tokens, of
     # log-probabilities of the logits' size.
     tol = f32_tolerance(terms=5 + 7 * 13, magnitude=logits)
     assert abs(float(out["kl_bigram"])) < tol and float(out["kl_unigram"]) > 1e-3
-    np.testing.assert_allclose(out["bigram_loss"], scored_loss(logits, batch)[0], atol=tol)
+    np.testing.assert_allclose(out["bigram_loss"], loss, atol=tol)
     np.testing.assert_allclose(out["uniform_loss"], math.log(5), atol=f32_tolerance(terms=5 + 7 * 13,
                                                                                     magnitude=math.log(5)))
 
@@ -243,11 +275,11 @@ def test_repeat_probe_and_its_prefix_matching_at_evaluation():
     assert probe.shape == (32, 2 * r) and (probe[:, :r] == probe[:, r:]).all()
     assert all(len(set(row[:r])) == r for row in probe) and probe.min() >= FIRST_SYMBOL
     model = Decoder(ModelConfig(vocab_size=task.vocab_size, max_len=12, d_model=6, num_heads=2, num_layers=2, d_ff=0))
-    params = model.init(jax.random.key(0), jnp.asarray(probe))["params"]
+    params = _init(model, jnp.asarray(probe))
     logits_fn = lambda t: model.apply({"params": params}, t)
-    out = task.eval_metrics(logits_fn, None, None)
-    _, weights = model.apply({"params": params}, jnp.asarray(probe), return_weights=True)  # the model's own weights
-    want = head_types.prefix_matching_score(weights, r)
+    out = jax.jit(lambda p: task.eval_metrics(lambda t: model.apply({"params": p}, t), None, None))(params)
+    _, weights = _apply(model, params, jnp.asarray(probe), return_weights=True)  # the model's own weights
+    want = jax.jit(head_types.prefix_matching_score, static_argnums=1)(weights, r)
     # The weights' sums (two attention-only layers of d 6, T 12), then the score's mean over the probes' rows.
     terms = 2 * (2 * 2 * 6 + 6 + 3 + 2 * 12 + 6) + 32 * 2 * r
     np.testing.assert_allclose(out["prefix_matching"], want, atol=f32_tolerance(terms=terms, magnitude=want))

@@ -1,6 +1,7 @@
-"""`--task lm` end to end on the tiny preset: the ablation as a command (a subprocess
-under a timeout) writes bpc, head-type tables and samples; the attention maps and the
-pruning study then find its checkpoint and run in-process.
+"""`--task lm` end to end on the tiny preset: the ablation's `main` writes bpc, head-type
+tables and samples; the attention maps and the pruning study then find its checkpoint.
+All in-process (no new Python and JAX start): the command line itself is tested as a
+command in tests/studies/test_experiments.py (Ctrl-C, exit code, the resume line).
 
 Everything runs in one temporary working directory, so the default output folders
 (results/head_ablation/lm-tiny, ...) are the ones exercised.
@@ -9,31 +10,25 @@ Everything runs in one temporary working directory, so the default output folder
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import run_in
 
-from experiments import attention_maps, head_pruning
+from experiments import attention_maps, head_ablation, head_pruning
 from jax_mha.lab.head_types import HEAD_TYPES
 
-ROOT = Path(__file__).resolve().parents[2]
-ENV = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ARGS = ["--task", "lm", "--preset", "tiny", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    """Runs `python -m experiments.head_ablation --task lm --preset tiny --heads 4`."""
+    """Runs `experiments.head_ablation.main(["--task", "lm", "--preset", "tiny", "--heads", "4", ...])`
+    (an error raises here)."""
     cwd = tmp_path_factory.mktemp("lm")
-    proc = subprocess.run([sys.executable, "-m", "experiments.head_ablation", *ARGS, "--heads", "4"],
-                          cwd=cwd, env=ENV, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return cwd, proc.stdout
+    _, stdout = run_in(cwd, head_ablation.main, [*ARGS, "--heads", "4"])
+    return cwd, stdout
 
 
 def test_ablation_writes_bpc_head_types_and_samples(workdir):
