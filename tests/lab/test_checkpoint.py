@@ -173,8 +173,9 @@ def _script_state():
     # Its shapes (no compile), filled with distinct values: a swapped leaf must show.
     leaves, tree = jax.tree.flatten(train.abstract_state(model, optimizer, SEEDS))
     rng = np.random.default_rng(5)
-    leaves = [jnp.asarray(rng.integers(0, 1000, x.shape) if jnp.issubdtype(x.dtype, jnp.integer)
-                          else rng.standard_normal(x.shape), x.dtype) for x in leaves]
+    # Cast on the host, then put: a cast on the device compiles a program per leaf.
+    leaves = [jax.device_put(np.asarray(rng.integers(0, 1000, x.shape) if jnp.issubdtype(x.dtype, jnp.integer)
+                                        else rng.standard_normal(x.shape), x.dtype)) for x in leaves]
     return jax.tree.unflatten(tree, leaves), model, optimizer
 
 
@@ -224,7 +225,9 @@ def _script(mode: str, directory: str) -> None:
 
 
 def _run_script(mode: str, directory, devices: int, **env) -> subprocess.Popen:
-    env = script_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", **env)
+    # Optimisation level 0, as conftest sets for the suite (the script compiles only small programs).
+    flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+    env = script_env(XLA_FLAGS=flags, JAX_PLATFORMS="cpu", **env)
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), mode, str(directory)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -83,7 +83,6 @@ def _compare(fn, inputs, spec, options) -> dict:
     gradients of `(out * w).sum()` to q, k, v and the slopes (the last relative to its
     largest entry), and the compiled program's text."""
     import jax
-    import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
     from jax_mha import attention
@@ -97,17 +96,28 @@ def _compare(fn, inputs, spec, options) -> dict:
 
         return jax.jit(run)
 
-    sharded = [jax.device_put(x, NamedSharding(spec[0], spec[1])) for x in (q, k, v, w)]
+    # Put from the host: resharding a device array compiles a slicing program per shape and mesh.
+    sharded = [jax.device_put(np.asarray(x), NamedSharding(spec[0], spec[1])) for x in (q, k, v, w)]
     compiled = both(fn).lower(*sharded, slopes, docs).compile()
     (out, grads) = compiled(*sharded, slopes, docs)
     want, want_grads = both(lambda *a, **o: attention(*a, **{**o, "implementation": "xla"}))(q, k, v, w, slopes, docs)
-    errors = [float(jnp.abs(a - e).max()) for a, e in zip(grads, want_grads)]
-    errors[3] /= max(1.0, float(jnp.abs(want_grads[3]).max()))
-    return {"out": float(jnp.abs(out - want).max()), "grads": errors, "out_max": float(jnp.abs(want).max()),
-            "grads_max": [float(jnp.abs(g).max()) for g in want_grads[:3]],
-            "slopes_grad_max": float(jnp.abs(want_grads[3]).max()), "sharding": str(out.sharding.spec),
-            "finite": bool(jnp.isfinite(out).all() and all(jnp.isfinite(g).all() for g in grads)),
+    sharding = str(out.sharding.spec)
+    out, want, grads, want_grads = _host(out, want, grads, want_grads)
+    errors = [float(np.abs(a - e).max()) for a, e in zip(grads, want_grads)]
+    errors[3] /= max(1.0, float(np.abs(want_grads[3]).max()))
+    return {"out": float(np.abs(out - want).max()), "grads": errors, "out_max": float(np.abs(want).max()),
+            "grads_max": [float(np.abs(g).max()) for g in want_grads[:3]],
+            "slopes_grad_max": float(np.abs(want_grads[3]).max()), "sharding": sharding,
+            "finite": bool(np.isfinite(out).all() and all(np.isfinite(g).all() for g in grads)),
             "hlo": compiled.as_text()}
+
+
+def _host(*trees):
+    """The arrays as NumPy arrays, for the comparisons: eagerly on the device, each
+    difference and maximum would compile a program per shape."""
+    import jax
+
+    return [jax.tree.map(np.asarray, tree) for tree in trees]
 
 
 def _cases(rng) -> dict:
@@ -150,16 +160,20 @@ def _dense_and_weights(rng) -> dict:
     bias = jnp.asarray(rng.standard_normal((H, N, N)), jnp.float32)
     options = dict(mask=mask, bias=bias, return_weights=True)
     loss = lambda fn: jax.jit(jax.value_and_grad(lambda q, k, v: (fn(q, k, v)[0] ** 2).sum(), argnums=(0, 1, 2)))
-    split = [jax.device_put(x, NamedSharding(mesh, PartitionSpec(None, None, "sequence"))) for x in (q, k, v)]
+    split = [jax.device_put(np.asarray(x), NamedSharding(mesh, PartitionSpec(None, None, "sequence"))) for x in (q, k, v)]
     got = jax.jit(lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, **options))(*split)
-    want = attention(q, k, v, implementation="xla", **options)
+    # The references jitted too (with the unmasked output): eagerly, each operation compiles on its own.
+    want, unmasked = jax.jit(lambda q, k, v: (attention(q, k, v, implementation="xla", **options),
+                                              attention(q, k, v)))(q, k, v)
     (value, grads) = loss(lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, **options))(*split)
     (want_value, want_grads) = loss(lambda q, k, v: attention(q, k, v, implementation="xla", **options))(q, k, v)
-    return {"out": float(jnp.abs(got[0] - want[0]).max()), "weights": float(jnp.abs(got[1] - want[1]).max()),
+    got, want, unmasked, value, grads, want_value, want_grads = _host(got, want, unmasked, value, grads, want_value,
+                                                                      want_grads)
+    return {"out": float(np.abs(got[0] - want[0]).max()), "weights": float(np.abs(got[1] - want[1]).max()),
             "weights_shape": list(got[1].shape), "loss": abs(float(value - want_value)) / float(want_value),
-            "grads": max(float(jnp.abs(a - b).max() / jnp.abs(b).max()) for a, b in zip(grads, want_grads)),
-            "out_max": float(jnp.abs(want[0]).max()),
-            "masked_changes_out": float(jnp.abs(want[0] - attention(q, k, v)).max())}
+            "grads": max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(grads, want_grads)),
+            "out_max": float(np.abs(want[0]).max()),
+            "masked_changes_out": float(np.abs(want[0] - unmasked).max())}
 
 
 def _new_keywords(rng) -> dict:
@@ -180,16 +194,21 @@ def _new_keywords(rng) -> dict:
         grad = lambda fn: jax.jit(jax.grad(lambda q, s: (fn(q, s) ** 2).sum(), argnums=(0, 1)))
         got = grad(lambda q, s: ulysses_attention(q, k, v, mesh=mesh, sinks=s, is_causal=True))(q, sinks)
         want = grad(lambda q, s: attention(q, k, v, sinks=s, is_causal=True, implementation="xla"))(q, sinks)
-        out["sinks"] = max(float(jnp.abs(a - b).max() / jnp.abs(b).max()) for a, b in zip(got, want))  # relative
+        got, want = _host(got, want)
+        out["sinks"] = max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(got, want))  # relative
     if "return_residual" in accepted:
         got = jax.jit(lambda q: ulysses_attention(q, k, v, mesh=mesh, return_residual=True, kv_lengths=jnp.array(
             [7, 0])))(q)
-        want = attention(q, k, v, return_residual=True, kv_lengths=jnp.array([7, 0]), implementation="xla")
-        finite = jnp.isfinite(want[1])
-        out["residual"] = {"out": float(jnp.abs(got[0] - want[0]).max()), "out_max": float(jnp.abs(want[0]).max()),
-                           "lse": float(jnp.abs(jnp.where(finite, got[1] - want[1], 0.0)).max()),
-                           "lse_max": float(jnp.abs(jnp.where(finite, want[1], 0.0)).max()),
-                           "empty_equal": bool(jnp.all(jnp.where(finite, True, got[1] == want[1]))),
+        want = jax.jit(lambda q: attention(q, k, v, return_residual=True, kv_lengths=jnp.array([7, 0]),
+                                           implementation="xla"))(q)
+        got, want = _host(got, want)
+        finite = np.isfinite(want[1])
+        with np.errstate(invalid="ignore"):  # -inf - -inf where the row is empty, masked out by `finite`
+            lse_error = np.where(finite, got[1] - want[1], 0.0)
+        out["residual"] = {"out": float(np.abs(got[0] - want[0]).max()), "out_max": float(np.abs(want[0]).max()),
+                           "lse": float(np.abs(lse_error).max()),
+                           "lse_max": float(np.abs(np.where(finite, want[1], 0.0)).max()),
+                           "empty_equal": bool(np.all(np.where(finite, True, got[1] == want[1]))),
                            "shape": list(got[1].shape)}
     return out
 
@@ -210,10 +229,10 @@ def _module(rng) -> dict:
     options = dict(is_causal=True, segment_ids=jnp.asarray(np.repeat([[0, 1], [2, 2]], [7, 13], axis=1)),
                    kv_lengths=jnp.array([20, 15]))
     run = lambda model: jax.jit(jax.value_and_grad(lambda p: (model.apply(p, x, **options) ** 2).sum()))(params)
-    (value, grads), (want, want_grads) = run(ulysses), run(plain)
+    (value, grads), (want, want_grads) = _host(run(ulysses), run(plain))
     return {"value": abs(float(value - want)) / float(want),
-            "grads": max(float(jnp.abs(a - b).max() / jnp.abs(b).max()) for a, b in zip(jax.tree.leaves(grads),
-                                                                                         jax.tree.leaves(want_grads)))}
+            "grads": max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(jax.tree.leaves(grads),
+                                                                                       jax.tree.leaves(want_grads)))}
 
 
 def _refusals() -> dict:
