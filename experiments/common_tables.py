@@ -113,6 +113,36 @@ def lm_sweep_comparisons(data: dict) -> str:
     return comparison_lines(family, 4)
 
 
+# The difference a powered LM sweep is sized for, in bpc, and the power asked.
+POWER_DIFFERENCE = 0.02
+POWER = 0.8
+
+
+def lm_sweep_power(data: dict) -> str:
+    """Per comparison of the family: the sample std of its seed-paired differences, the
+    seeds a two-sided paired t test needs to detect POWER_DIFFERENCE with POWER at
+    Holm's strictest level (5 % over the family's size), and the smallest difference
+    the file's own seed count detects with that power at that level."""
+    per_seed = {h: r["final_bpc"] for h, r in _heads(data)}
+    heads = sorted(per_seed)
+    pairs = [(h, heads[0]) for h in heads[1:]] + [(b, a) for a, b in zip(heads[1:], heads[2:])]
+    alpha = 0.05 / len(pairs)
+    rows = []
+    for a, b in pairs:
+        d = [x - y for x, y in zip(per_seed[a], per_seed[b]) if x is not None and y is not None]
+        sd = stats.sample_std(d)
+        needed = stats.seeds_for_power(POWER_DIFFERENCE, sd, alpha, POWER) if sd > 0 else 2
+        detectable = stats.detectable_difference(len(d), sd, alpha, POWER) if sd > 0 and len(d) > 1 else math.nan
+        rows.append([f"h = {a} − h = {b}", len(d), num(float(np.mean(d)), 4, sign=True), num(sd, 4),
+                     DASH if needed is None else needed, num(detectable, 3)])
+    header = ["comparison", "seeds", "mean difference (bpc)", "std of the differences",
+              f"seeds for {POWER * 100:.0f} % power at {POWER_DIFFERENCE} bpc",
+              f"difference detected with {POWER * 100:.0f} % power"]
+    note = (f"Two-sided paired t test at α = 0.05/{len(pairs)} = {alpha:.4f} (Holm's first, strictest step over the "
+            f"family of {len(pairs)}), `jax_mha.lab.stats.seeds_for_power`.")
+    return table(header, ["l", "r", "r", "r", "r", "r"], rows) + "\n\n" + note
+
+
 def recall_reference(data: dict) -> str:
     """The lines a model must pass, measured on the task's generator; of the two answers
     that read values without any key lookup, the higher is named the best such line."""
@@ -303,13 +333,42 @@ def lr_grid_table(data: dict) -> str:
     return table(header, ["r"] * len(header), rows)
 
 
+def lr_grid_test(data: dict) -> str:
+    """The same grid scored on the test split (`test` per cell, read by no choice): mean
+    ± sample std per (h, rate), the dev-chosen rate in bold, and per rate the head
+    counts from best to worst, so the ranking's dependence on the rate shows."""
+    rates = sorted({c["lr"] for c in data["cells"]})
+    cells = {(c["heads"], c["lr"]): c.get("test") for c in data["cells"]}
+    if not any(cells.values()):
+        raise ValueError("this lr_grid file has no test values (written before lm_sizing scored the test split)")
+    best = best_rates(data)
+    rows = []
+    for h, (chosen, _) in best.items():
+        row = [h]
+        for lr in rates:
+            values = cells.get((h, lr))
+            if not values:
+                row.append(DASH)
+                continue
+            iv = stats.t_interval(values)
+            text = f"{num(iv.mean, 3)} ± {num(iv.std, 3) if iv.n > 1 else DASH}"
+            row.append(f"**{text}**" if lr == chosen else text)
+        rows.append(row)
+    ranking = ["best first"]
+    for lr in rates:
+        means = {h: float(np.mean(cells[(h, lr)])) for h in best if cells.get((h, lr))}
+        ranking.append(" < ".join(str(h) for h in sorted(means, key=means.get)) if means else DASH)
+    header = ["heads", *(f"lr {rate(lr)}" for lr in rates)]
+    return table(header, ["r"] * len(header), rows + [ranking])
+
+
 RENDERERS: dict[str, dict[str, Callable[[dict], str]]] = {
     "lm_sweep": {"table": lm_sweep_table, "comparisons": lm_sweep_comparisons, "induction": lm_sweep_induction,
-                 "rates": lm_sweep_rates, "head_types": lm_sweep_head_types},
+                 "rates": lm_sweep_rates, "head_types": lm_sweep_head_types, "power": lm_sweep_power},
     "recall": {"reference": recall_reference, "table": recall_table, "comparisons": recall_comparisons},
     "lm_pruning": {"table": lm_pruning_table, "spearman": lm_pruning_spearman, "induction": lm_pruning_induction},
     "ngram": {"table": ngram_table},
-    "lr_grid": {"table": lr_grid_table},
+    "lr_grid": {"table": lr_grid_table, "test": lr_grid_test},
 }
 
 

@@ -230,6 +230,60 @@ def holm(p_values: Sequence[float | None]) -> list[float]:
     return out.tolist()
 
 
+def _normal_cdf(x: float) -> float:
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+def paired_t_power(n: int, difference: float, sd: float, alpha: float = 0.05) -> float:
+    """The power of a two-sided paired t test at level `alpha` with `n` pairs, when the
+    true mean difference is `difference` and the pairs' differences have standard
+    deviation `sd`: P(|T| > t_{1-alpha/2, n-1}) under the noncentral t with
+    noncentrality difference / sd * sqrt(n), by quadrature over the chi-square of the
+    sample variance.
+
+    Raises:
+      ValueError: for n < 2, sd <= 0 or alpha outside (0, 1).
+    """
+    if n < 2:
+        raise ValueError(f"a paired t test needs n >= 2 pairs, got {n}")
+    if not sd > 0:
+        raise ValueError(f"sd must be > 0, got {sd}")
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    df = n - 1
+    critical = t_quantile(1.0 - alpha / 2.0, df)
+    shift = abs(difference) / sd * math.sqrt(n)
+    # V ~ chi2(df); T = (Z + shift) / sqrt(V / df). Integrate over w = sqrt(V / df):
+    # V / df is gamma(df/2, scale 2/df), and in w its density stays finite at 0 even at
+    # df = 1; up to 1 + 12 sd of V / df (and more at small df) leaves < 1e-9 outside.
+    top = math.sqrt(1.0 + 12.0 * math.sqrt(2.0 / df) + 10.0 / df)
+    w = np.linspace(0.0, top, 4001)
+    density = 2.0 * w ** (df - 1) * np.exp(-w * w * df / 2.0 + (df / 2.0) * math.log(df / 2.0) - math.lgamma(df / 2.0))
+    reject = np.array([_normal_cdf(shift - critical * r) + _normal_cdf(-shift - critical * r) for r in w])
+    return float(np.clip(np.trapezoid(density * reject, w), 0.0, 1.0))
+
+
+def seeds_for_power(difference: float, sd: float, alpha: float = 0.05, power: float = 0.8,
+                    most: int = 1000) -> int | None:
+    """The fewest pairs (seeds) at which a two-sided paired t test at level `alpha`
+    detects `difference` with at least `power` (`paired_t_power`); None past `most`."""
+    if not 0.0 < power < 1.0:
+        raise ValueError(f"power must be in (0, 1), got {power}")
+    return next((n for n in range(2, most + 1) if paired_t_power(n, difference, sd, alpha) >= power), None)
+
+
+def detectable_difference(n: int, sd: float, alpha: float = 0.05, power: float = 0.8) -> float:
+    """The smallest true mean difference a two-sided paired t test with `n` pairs at
+    level `alpha` detects with `power` (bisection on `paired_t_power`)."""
+    lo, hi = 0.0, sd
+    while paired_t_power(n, hi, sd, alpha) < power:
+        hi *= 2.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if paired_t_power(n, mid, sd, alpha) < power else (lo, mid)
+    return hi
+
+
 @dataclasses.dataclass(frozen=True)
 class Comparison:
     """One seed-paired comparison of a family: `a - b` with its t interval, the paired

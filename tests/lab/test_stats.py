@@ -133,3 +133,29 @@ def test_missing_values_in_pairs_and_formats():
     iv = stats.paired_difference([1.0, None, 3.0], [0.0, 1.0, 1.0])
     assert iv.n == 2 and iv.mean == pytest.approx(1.5)
     assert stats.t_interval([]).format() == "–"
+
+
+def test_paired_t_power_against_tables_and_simulation():
+    # Cohen's one-sample t tables (G*Power agrees): d = 1 with 10 pairs, d = 0.3 with 100, at 5 % two-sided.
+    assert stats.paired_t_power(10, 1.0, 1.0) == pytest.approx(0.8031, abs=2e-4)
+    assert stats.paired_t_power(100, 0.3, 1.0) == pytest.approx(0.8439, abs=2e-4)
+    assert stats.paired_t_power(7, 0.0, 0.5, alpha=0.01) == pytest.approx(0.01, abs=1e-6)  # no effect: the level
+    # An independent check: simulated paired t tests (binomial standard error ~2e-4 at 2e6 draws).
+    rng = np.random.default_rng(11)
+    for n, effect, sd, alpha in ((2, 0.5, 1.0, 0.05), (5, 0.02, 0.013, 0.05 / 7), (13, 0.01, 0.03, 0.05)):
+        d = rng.normal(effect, sd, size=(2_000_000 // n, n))
+        t = d.mean(1) / (d.std(1, ddof=1) / math.sqrt(n))
+        simulated = np.mean(np.abs(t) > stats.t_quantile(1 - alpha / 2, n - 1))
+        assert stats.paired_t_power(n, effect, sd, alpha) == pytest.approx(simulated, abs=5 * math.sqrt(simulated / len(d)) + 1e-4)
+
+
+def test_seeds_for_power_and_detectable_difference_invert_the_power():
+    n = stats.seeds_for_power(0.02, 0.0133, alpha=0.05 / 7)
+    assert stats.paired_t_power(n, 0.02, 0.0133, 0.05 / 7) >= 0.8 > stats.paired_t_power(n - 1, 0.02, 0.0133, 0.05 / 7)
+    assert stats.seeds_for_power(1.0, 1.0) == 10  # the table's d = 1 row
+    assert stats.seeds_for_power(1e-3, 1.0, most=50) is None
+    mdd = stats.detectable_difference(10, 0.04, alpha=0.01)
+    assert stats.paired_t_power(10, mdd, 0.04, 0.01) == pytest.approx(0.8, abs=1e-6)
+    for bad in (dict(n=1, difference=0.1, sd=1.0), dict(n=5, difference=0.1, sd=0.0), dict(n=5, difference=0.1, sd=1.0, alpha=1.5)):
+        with pytest.raises(ValueError, match="n >= 2|sd must|alpha must"):
+            stats.paired_t_power(**bad)

@@ -36,6 +36,8 @@ def test_lm_sizing_tiny(tmp_path):
     (run,) = results["runs"]
     assert run["characters_per_seed"] == 50 * 4 * 16
     assert np.all(np.isfinite(run["final_bpc"]))
+    assert run["seeds"] == [lm_sizing.GRID_FIRST_SEED]  # disjoint from the seeds a sweep reports (0, 1, ...)
+    assert 0 < run["test_bpc"][0] < 8 and run["test_bpc"][0] != run["final_bpc"][0]  # the whole test split, not dev
     assert results["ngram_bpc"][1] > results["ngram_bpc"][3]  # the baselines come from the split
     assert "3-gram" in (tmp_path / "summary.md").read_text() and (tmp_path / "sizing_curves.png").exists()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from experiments import report
@@ -114,6 +115,30 @@ def test_lr_grid_chooses_the_best_mean_and_says_whether_it_is_bracketed(tmp_path
         (tmp_path / f"{i}.json").write_text(json.dumps(dict(GRID, cells=cells)), encoding="utf-8")
         parts.append(tmp_path / f"{i}.json")
     assert report.merge(parts[::-1])["cells"] == sorted(GRID["cells"], key=lambda c: (c["heads"], c["lr"]))
+
+
+def test_lr_grid_test_block_shows_test_values_the_dev_choice_and_the_ranking_per_rate():
+    cells = [dict(c, test=[v + 1.0 for v in c["values"]]) for c in GRID["cells"]]
+    cells[3]["test"] = [3.0, 3.4]  # h = 4 at 1e-3: 3.2, so at 1e-3 h = 1 (3.6) ranks below it
+    text = report.render(dict(GRID, cells=cells), "test")
+    assert "| 1 | 3.600 ± 0.141 | **3.300 ± 0.141** | 3.700 ± 0.141 |" in text  # bold: the rate dev chose
+    assert "| 4 | **3.200 ± 0.283** | 3.450 ± 0.141 | – |" in text
+    assert "| best first | 4 < 1 | 1 < 4 | 1 |" in text
+    with pytest.raises(ValueError, match="no test values"):
+        report.render(GRID, "test")
+
+
+def test_lm_sweep_power_block_sizes_seeds_from_the_paired_spread():
+    rng = np.random.default_rng(5)
+    base = rng.normal(2.3, 0.03, size=5)
+    heads = {str(h): {"head_dim": 64 // h, "final_bpc": list(base - 0.01 * i + rng.normal(0, 0.01 * (i + 1), 5))}
+             for i, h in enumerate((1, 2, 4))}
+    text = report.render({"kind": "lm_sweep", "heads": heads}, "power")
+    d = np.subtract(heads["4"]["final_bpc"], heads["2"]["final_bpc"])
+    sd, alpha = float(np.std(d, ddof=1)), 0.05 / 3
+    assert (f"| h = 4 − h = 2 | 5 | {d.mean():+.4f} | {sd:.4f} | {stats.seeds_for_power(0.02, sd, alpha)} | "
+            f"{stats.detectable_difference(5, sd, alpha):.3f} |").replace("-", "−") in text
+    assert text.count("| h = ") == 3 and "α = 0.05/3 = 0.0167" in text
 
 
 @pytest.mark.parametrize("preset", ["quick", "standard"])
