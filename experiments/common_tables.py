@@ -113,6 +113,32 @@ def lm_sweep_comparisons(data: dict) -> str:
     return comparison_lines(family, 4)
 
 
+def induction_control_table(data: dict) -> str:
+    """Prefix matching per (layer, head) of the positive control; the best in bold."""
+    scores = np.asarray(data["prefix_matching"])
+    best = np.unravel_index(np.argmax(scores), scores.shape)
+    rows = [[layer, *(f"**{num(v, 3)}**" if (layer, h) == best else num(v, 3) for h, v in enumerate(row))]
+            for layer, row in enumerate(scores)]
+    return table(["layer", *(f"head {h}" for h in range(scores.shape[1]))], ["r"] * (scores.shape[1] + 1), rows)
+
+
+def induction_control_summary(data: dict) -> str:
+    """The control's numbers beside the probe's chance level and threshold, and its run."""
+    scores = np.asarray(data["prefix_matching"])
+    layer, head = np.unravel_index(np.argmax(scores), scores.shape)
+    meta = data.get("metadata", {})
+    return (f"Uniform attention scores {num(data['chance'], 3)} on this probe "
+            f"(`head_types.prefix_matching_chance({data['probe_repeat']})`); the library's threshold is "
+            f"{data['threshold']:g}; the best head, ({layer}, {head}), scores {num(scores.max(), 3)}, "
+            f"{scores.max() / data['chance']:.1f}× chance. On held-out rows the second copy is predicted with token "
+            f"accuracy {num(data['heldout_token_accuracy'], 3)}; on the probe, second-copy loss "
+            f"{num(data['second_copy_loss'], 3)} nats (uniform over the {data['task']['vocab_size']} tokens: "
+            f"{num(math.log(data['task']['vocab_size']), 2)}), first-copy loss {num(data['first_copy_loss'], 3)} nats, "
+            f"copying difference {num(data['copying'], 3)} nats. Seed {data['seed']}, {data['seconds']:.0f} s on "
+            f"{meta.get('cpu', 'an unnamed CPU')} ({meta.get('cpu_count', '?')} cores), commit "
+            f"`{str(meta.get('commit'))[:7]}`{' with uncommitted changes' if meta.get('dirty') else ''}.")
+
+
 # The difference a powered LM sweep is sized for, in bpc, and the power asked.
 POWER_DIFFERENCE = 0.02
 POWER = 0.8
@@ -368,6 +394,7 @@ RENDERERS: dict[str, dict[str, Callable[[dict], str]]] = {
     "recall": {"reference": recall_reference, "table": recall_table, "comparisons": recall_comparisons},
     "lm_pruning": {"table": lm_pruning_table, "spearman": lm_pruning_spearman, "induction": lm_pruning_induction},
     "ngram": {"table": ngram_table},
+    "induction_control": {"table": induction_control_table, "summary": induction_control_summary},
     "lr_grid": {"table": lr_grid_table, "test": lr_grid_test},
 }
 

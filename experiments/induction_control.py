@@ -11,16 +11,22 @@ above the threshold, the probe, not the language models, would be at fault.
 
     python -m experiments.induction_control            # about 30 s on 2 cores
     python -m experiments.induction_control --seed 1
+    python -m experiments.induction_control --artifact docs/results/data/induction_control.json
+
+`--artifact` writes what docs/results/induction.md is rendered from (`experiments.report`,
+kind "induction_control").
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 
+from experiments import common
 from jax_mha.lab import head_types
 from jax_mha.lab.data import FIRST_SYMBOL, RepeatTaskConfig
 from jax_mha.lab.models import Decoder, ModelConfig, logits_and_attention_weights
@@ -52,8 +58,10 @@ def run(seed: int = 0) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m experiments.induction_control", description=__doc__.split("\n\n")[0])
-    p.add_argument("--seed", type=int, default=0)
-    out = run(p.parse_args(argv).seed)
+    p.add_argument("--seed", type=common.nonnegative_int, default=0)
+    p.add_argument("--artifact", type=Path, help="also write the results as a data file a results page reads")
+    args = p.parse_args(argv)
+    out = run(args.seed)
     print(f"positive control, seed {out['seed']}: 2 layers x 2 heads, d_model=32, {TRAIN.num_steps} steps on "
           f"repeated random sequences (R in [{TASK.min_repeat}, {TASK.max_repeat}]); held-out second-copy token "
           f"accuracy {out['heldout_token_accuracy']:.3f}")
@@ -63,7 +71,21 @@ def main(argv=None) -> dict:
           f"{out['prefix_matching'].max():.3f} ({out['prefix_matching'].max() / out['chance']:.1f}x chance)")
     print(f"  copying: first-copy loss {out['first_copy_loss']:.3f}, second-copy loss {out['second_copy_loss']:.3f} "
           f"nats (effect {out['copying']:.3f}); {out['seconds']:.0f} s")
+    if args.artifact:
+        common.write_json(args.artifact, artifact(out))
+        print(f"wrote {args.artifact}")
     return out
+
+
+def artifact(out: dict) -> dict:
+    """The control's results as a results page reads them (`experiments.report`)."""
+    return {"kind": "induction_control", "task": {"seq_len": TASK.seq_len, "min_repeat": TASK.min_repeat,
+                                                  "max_repeat": TASK.max_repeat, "num_symbols": TASK.num_symbols,
+                                                  "vocab_size": TASK.vocab_size},
+            "model": {"d_model": MODEL.d_model, "num_heads": MODEL.num_heads, "num_layers": MODEL.num_layers},
+            "train": {"num_steps": TRAIN.num_steps, "learning_rate": TRAIN.learning_rate},
+            "probe_repeat": PROBE_REPEAT, "metadata": common.run_metadata(),
+            **{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in out.items()}}
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ above the induction threshold on prefix matching and copy. About 30 s on 2 busy 
 import jax
 import numpy as np
 
-from experiments import induction_control
+from experiments import induction_control, report
 from jax_mha.lab import head_types
 from jax_mha.lab.data import FIRST_SYMBOL, RepeatTaskConfig
 
@@ -30,3 +30,9 @@ def test_tiny_model_trained_on_repeats_has_an_induction_head():
     assert out["prefix_matching"].max() > head_types.INDUCTION_THRESHOLD > 5 * out["chance"], out
     assert out["prefix_matching"][1].max() > out["prefix_matching"][0].max()  # the lookup is the second layer's
     assert out["copying"] > 1.0, out  # the second copy is much easier: the head is used
+    data = induction_control.artifact(out)  # what the results page renders
+    layer, head = np.unravel_index(np.argmax(out["prefix_matching"]), out["prefix_matching"].shape)
+    assert f"**{out['prefix_matching'].max():.3f}**" in report.render(data, "table")
+    summary = report.render(data, "summary")
+    assert f"the best head, ({layer}, {head}), scores {out['prefix_matching'].max():.3f}" in summary
+    assert f"second-copy loss {out['second_copy_loss']:.3f} nats" in summary.replace("−", "-")
