@@ -98,7 +98,8 @@ def train_depth(layers: int, cfg: AnchorConfig, progress: bool) -> dict:
 
 def artifact(results: dict) -> dict:
     """The per-seed values the page is rendered from (`experiments.common_anchors`, kind
-    "anchor_induction"): small, no curves."""
+    "anchor_induction"), and per depth the curves' means over seeds (held-out loss on the
+    repeated half, the best head's prefix matching) at every evaluation step."""
     cfg = results["config"]
     keys = ("final_loss", "final_accuracy", "max_prefix_matching", "best_head", "formation_step",
             "half_accuracy_step", "final_copying")
@@ -110,7 +111,18 @@ def artifact(results: dict) -> dict:
             "metadata": {k: results["metadata"].get(k) for k in ("cpu", "cpu_count", "load_average", "commit",
                                                                   "dirty", "argv")},
             "arms": {key: {"seeds": [r["seed"] for r in arm["runs"]], "wall_seconds": arm["wall_seconds"],
-                           **{k: [r[k] for r in arm["runs"]] for k in keys}} for key, arm in results["arms"].items()}}
+                           **{k: [r[k] for r in arm["runs"]] for k in keys}} for key, arm in results["arms"].items()},
+            "curves": {key: _mean_curves(arm) for key, arm in results["arms"].items()}}
+
+
+def _mean_curves(arm: dict) -> dict:
+    """Means over seeds at each evaluation: loss (E,), best head's prefix matching (E,),
+    and that best head's maximum over seeds (E,); 5 decimals."""
+    best = np.stack([np.asarray(r["prefix_matching"]).max(axis=(1, 2)) for r in arm["runs"]])  # (seeds, E)
+    loss = np.stack([np.asarray(r["eval_loss"]) for r in arm["runs"]])
+    rounded = lambda x: [round(float(v), 5) for v in x]
+    return {"step": list(arm["eval_step"]), "loss": rounded(loss.mean(0)),
+            "best_prefix_matching": rounded(best.mean(0)), "best_prefix_matching_max": rounded(best.max(0))}
 
 
 def plot(results: dict, path: Path) -> None:

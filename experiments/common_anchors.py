@@ -198,6 +198,34 @@ def induction_verdict(data: dict) -> str:
             f"Machine: {_machine(data)}. {registration_note(data, 'induction')}")
 
 
+def induction_curves(data: dict) -> str:
+    """When, over training, the means over seeds cross the lines the page reads: the
+    two-layer loss below the one-layer model's final loss and below ten times its own
+    final loss, the two-layer best head's prefix matching past twice its first value
+    (the rise) and past the threshold; the one-layer best head's highest value."""
+    curves = {int(k): v for k, v in data.get("curves", {}).items()}
+    if 1 not in curves or 2 not in curves:
+        raise ValueError("this anchor_induction file has no curves of both depths (written before they were recorded)")
+    one, two = curves[1], curves[2]
+    step = lambda c, key, test: next((s for s, v in zip(c["step"], c[key]) if test(v)), None)
+    after = lambda c, key, test: next((s for i, s in enumerate(c["step"]) if all(test(v) for v in c[key][i:])), None)
+    below_one = after(two, "loss", lambda v: v < one["loss"][-1])
+    below_tenth = after(two, "loss", lambda v: v < 10 * two["loss"][-1])
+    rise = step(two, "best_prefix_matching", lambda v: v > 2 * two["best_prefix_matching"][0])
+    rise_value = two["best_prefix_matching"][two["step"].index(rise)] if rise is not None else None
+    passes = step(two, "best_prefix_matching", lambda v: v >= data["threshold"])
+    fmt_step = lambda s: "never" if s is None else f"step {s:,}"
+    return (f"Over training (means over seeds, evaluated every {data['train']['eval_every']} steps from step "
+            f"{one['step'][0]}): the loss on the repeated half starts at {num(one['loss'][0], 2)} nats with one layer "
+            f"and {num(two['loss'][0], 2)} with two; the two-layer loss stays below the one-layer model's final "
+            f"{num(one['loss'][-1], 2)} from {fmt_step(below_one)} and below ten times its own final "
+            f"({num(10 * two['loss'][-1], 2)}) from {fmt_step(below_tenth)}. The two-layer best head's prefix "
+            f"matching starts at {num(two['best_prefix_matching'][0], 3)}, passes twice that at {fmt_step(rise)} "
+            f"({num(rise_value, 3)}), passes {data['threshold']:g} at {fmt_step(passes)} and ends at "
+            f"{num(two['best_prefix_matching'][-1], 3)}; the one-layer model's best head peaks at "
+            f"{num(max(one['best_prefix_matching_max']), 3)} (the highest of any seed at any evaluation).")
+
+
 # ----------------------------------------------------------------- (b) Zoology: MQAR accuracy vs width
 
 ZOOLOGY = "Arora et al. 2023, Figure 2; grid from the authors' iclr24_zoology_figure2/configs.py"
@@ -533,7 +561,8 @@ def markov_verdict(data: dict) -> str:
 
 
 RENDERERS: dict[str, dict[str, Callable[[dict], str]]] = {
-    "anchor_induction": {"paper": induction_paper, "table": induction_table, "verdict": induction_verdict},
+    "anchor_induction": {"paper": induction_paper, "table": induction_table, "verdict": induction_verdict,
+                         "curves": induction_curves},
     "anchor_mqar": {"reference": mqar_reference, "paper": mqar_paper, "table": mqar_table, "verdict": mqar_verdict},
     "anchor_markov": {"reference": markov_reference, "paper": markov_paper, "table": markov_table,
                       "verdict": markov_verdict},
