@@ -205,7 +205,7 @@ def induction_curves(data: dict) -> str:
     (the rise) and past the threshold; the one-layer best head's highest value."""
     curves = {int(k): v for k, v in data.get("curves", {}).items()}
     if 1 not in curves or 2 not in curves:
-        raise ValueError("this anchor_induction file has no curves of both depths (written before they were recorded)")
+        return "No curves of both depths in this run's data."
     one, two = curves[1], curves[2]
     step = lambda c, key, test: next((s for s, v in zip(c["step"], c[key]) if test(v)), None)
     after = lambda c, key, test: next((s for i, s in enumerate(c["step"]) if all(test(v) for v in c[key][i:])), None)

@@ -327,6 +327,20 @@ def test_induction_anchor_tiny(tmp_path):
     assert run["max_prefix_matching"] == pytest.approx(pm[-1].max())
 
 
+def test_induction_curves_block_reads_the_crossings_from_the_mean_curves():
+    curves = {"1": {"step": [25, 50, 75, 100], "loss": [3.5, 2.5, 2.0, 1.8], "best_prefix_matching": [0.07, 0.1, 0.12, 0.13],
+                    "best_prefix_matching_max": [0.08, 0.11, 0.19, 0.14]},
+              "2": {"step": [25, 50, 75, 100], "loss": [3.4, 1.7, 1.9, 0.1], "best_prefix_matching": [0.07, 0.2, 0.6, 0.9],
+                    "best_prefix_matching_max": [0.07, 0.3, 0.7, 0.95]}}
+    data = {"kind": "anchor_induction", "threshold": 0.5, "train": {"eval_every": 25}, "curves": curves}
+    text = report.render(data, "curves")
+    # 1.7 at step 50 dips below 1.8 but 1.9 at 75 does not: "stays below" starts at 100.
+    assert "below the one-layer model's final 1.80 from step 100 and below ten times its own final (1.00) from step 100" in text
+    assert "starts at 0.070, passes twice that at step 50 (0.200), passes 0.5 at step 75 and ends at 0.900" in text
+    assert "one-layer model's best head peaks at 0.190" in text
+    assert report.render({**data, "curves": {"1": curves["1"]}}, "curves") == "No curves of both depths in this run's data."
+
+
 def test_mqar_anchor_tiny_trains_both_arms_at_every_length_and_resumes(tmp_path, monkeypatch):
     out, results, data = _run(anchor_mqar, tmp_path)
     lengths = [9, 13]  # 2 and 3 pairs: T = 4N + 1
@@ -437,11 +451,22 @@ def test_registration_is_recorded_with_its_commit_and_a_dirty_one_is_refused(tmp
     refused("is not in a git checkout")
 
 
-def test_pages_data_from_before_registration_say_not_registered():
+def test_pages_data_say_whether_registered_and_registrations_precede_their_runs():
     for name in ("induction", "mqar", "markov"):
         data = json.loads((report.DATA / f"anchor_{name}.json").read_text())
-        assert "preregistration" not in data
-        assert "Not registered: these data record no registration" in report.render(data, "verdict")
+        verdict = report.render(data, "verdict")
+        if "preregistration" not in data:
+            assert "Not registered: these data record no registration" in verdict
+            continue
+        reg, meta = data["preregistration"], data["metadata"]
+        assert reg["registered"] and not reg["overrides"] and meta["dirty"] is False, (name, reg, meta)
+        assert f"at commit `{reg['commit'][:10]}`" in verdict and "committed before the run" in verdict
+        ancestor = subprocess.run(["git", "merge-base", "--is-ancestor", reg["commit"], meta["commit"]],
+                                  cwd=report.ROOT, capture_output=True)
+        if ancestor.returncode not in (0, 1):  # not a git checkout, or a shallow one without these commits
+            continue
+        assert ancestor.returncode == 0, f"{name}: registration {reg['commit']} does not precede the run {meta['commit']}"
+        assert reg["commit"] != meta["commit"]  # registered in a commit of its own, before the run's
 
 
 def _mqar_data(conv: dict, attention_ok: bool = True) -> dict:
