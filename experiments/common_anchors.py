@@ -35,34 +35,16 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from experiments.common_tables import DASH, interval, num, table
+from experiments.common_tables import DASH, interval, num, share, steps_cell, table
 from jax_mha.lab import stats
 from jax_mha.lab.train import train_seeds
 
 # ----------------------------------------------------------------- shared pieces
 
 
-def share(flags: Sequence[bool]) -> str:
-    """'k/n [low, high]': how many are True, with Wilson's 95 % interval."""
-    k, n = sum(bool(f) for f in flags), len(flags)
-    if n == 0:
-        return DASH
-    low, high = stats.wilson_interval(k, n)
-    return f"{k}/{n} [{num(low, 2)}, {num(high, 2)}]"
-
-
 def t_cell(values: Sequence[float | None], digits: int) -> str:
     """'m [lo, hi]' (95 % t over seeds) of the values that exist; '–' without any."""
     return interval(stats.t_interval([v for v in values if v is not None]), digits)
-
-
-def steps_cell(steps: Sequence[int | None]) -> str:
-    """Median and range of the steps that exist, and how many seeds have one."""
-    have = sorted(s for s in steps if s is not None)
-    if not have:
-        return f"never (0/{len(steps)})"
-    mid = have[len(have) // 2] if len(have) % 2 else (have[len(have) // 2 - 1] + have[len(have) // 2]) / 2
-    return f"{mid:g} ({have[0]}–{have[-1]}; {len(have)}/{len(steps)})"
 
 
 def _arms(data: dict, key: str = "arms") -> list[tuple[int, dict]]:

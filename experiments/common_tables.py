@@ -61,6 +61,24 @@ def p_value(p: float) -> str:
     return "<0.001" if p < 0.001 else f"{p:#.2g}"  # "#": 0.040, not 0.04
 
 
+def share(flags: Sequence[bool]) -> str:
+    """'k/n [low, high]': how many are True, with Wilson's 95 % interval."""
+    k, n = sum(bool(f) for f in flags), len(flags)
+    if n == 0:
+        return DASH
+    low, high = stats.wilson_interval(k, n)
+    return f"{k}/{n} [{num(low, 2)}, {num(high, 2)}]"
+
+
+def steps_cell(steps: Sequence[int | None]) -> str:
+    """Median and range of the steps that exist, and how many seeds have one."""
+    have = sorted(s for s in steps if s is not None)
+    if not have:
+        return f"never (0/{len(steps)})"
+    mid = have[len(have) // 2] if len(have) % 2 else (have[len(have) // 2 - 1] + have[len(have) // 2]) / 2
+    return f"{mid:g} ({have[0]}–{have[-1]}; {len(have)}/{len(steps)})"
+
+
 def table(header: Sequence[str], align: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A Markdown table; `align` per column: 'l' or 'r'."""
     rule = "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"
@@ -183,19 +201,43 @@ def recall_reference(data: dict) -> str:
             f"second {num(ref['one_token_b'], 3)}; the two-token lookup 1.")
 
 
+# A recall seed escapes the no-lookup plateau when its accuracy reaches this much above
+# the best line without any key lookup (`recall_reference`): the plateau's seeds scatter
+# about 0.01 around it, a one-token lookup sits about 0.3 above it.
+ESCAPE_MARGIN = 0.1
+
+
+def recall_escape_line(data: dict) -> float:
+    """The accuracy at which a recall seed counts as escaped: the best no-lookup line plus the margin."""
+    ref = data["reference"]
+    return max(ref["value_mode"], ref["elimination"]) + data.get("escape_margin", ESCAPE_MARGIN)
+
+
+def _recall_outcomes(data: dict, r: dict) -> dict[str, list[bool]]:
+    acc = [a if a is not None else -1.0 for a in r["final_accuracy"]]
+    return {"solved": [a >= data["solved_accuracy"] for a in acc],
+            "escaped": [a >= recall_escape_line(data) for a in acc]}
+
+
 def recall_table(data: dict) -> str:
-    """heads | head dim | solved k/n [Wilson 95 %] | AUC [95 % t] | final accuracy [95 % t] | per-seed accuracy | wall s."""
+    """heads | head dim | lr | solved k/n | escaped k/n [Wilson 95 %] | escape step | AUC [95 % t] |
+    final accuracy [95 % t] | per-seed accuracy | wall s."""
     rows, threshold = [], data["solved_accuracy"]
+    with_steps = any("escape_step" in r for _, r in _heads(data))
     for h, r in _heads(data):
-        acc = r["final_accuracy"]
-        solved = sum(a is not None and a >= threshold for a in acc)
-        low, high = stats.wilson_interval(solved, len(acc))
-        rows.append([h, r["head_dim"], f"{solved}/{len(acc)} [{num(low, 2)}, {num(high, 2)}]",
-                     interval(stats.t_interval(r["auc_loss"]), 3), interval(stats.t_interval(acc), 3),
-                     ", ".join(num(a, 3) for a in acc), grouped(r.get("wall_seconds"))])
-    header = ["heads", "head dim", f"seeds solved (accuracy ≥ {threshold:g}) [Wilson 95 %]",
-              "area under held-out loss (nats) [95 % t]", "final recall accuracy [95 % t]", "per seed", "wall s"]
-    return table(header, ["r", "r", "r", "r", "r", "l", "r"], rows)
+        acc, outcomes = r["final_accuracy"], _recall_outcomes(data, r)
+        row = [h, r["head_dim"], rate(r["learning_rate"]) if "learning_rate" in r else DASH,
+               share(outcomes["solved"]), share(outcomes["escaped"])]
+        if with_steps:
+            row.append(steps_cell(r.get("escape_step", [])))
+        rows.append(row + [interval(stats.t_interval(r["auc_loss"]), 3), interval(stats.t_interval(acc), 3),
+                           ", ".join(num(a, 3) for a in acc), grouped(r.get("wall_seconds"))])
+    header = ["heads", "head dim", "peak lr", f"seeds solved (accuracy ≥ {threshold:g}) [Wilson 95 %]",
+              f"seeds escaped (accuracy ≥ {num(recall_escape_line(data), 3)}) [Wilson 95 %]"]
+    if with_steps:
+        header.append("first step escaped: median (range; seeds)")
+    header += ["area under held-out loss (nats) [95 % t]", "final recall accuracy [95 % t]", "per seed", "wall s"]
+    return table(header, ["r"] * (len(header) - 2) + ["l", "r"], rows)
 
 
 def recall_comparisons(data: dict) -> str:
@@ -207,6 +249,25 @@ def recall_comparisons(data: dict) -> str:
         family[f"AUC, h = {h} − h = {base_h}"] = (r["auc_loss"], base["auc_loss"])
         family[f"accuracy, h = {h} − h = {base_h}"] = (r["final_accuracy"], base["final_accuracy"])
     return comparison_lines(stats.paired_comparisons(family), 3)
+
+
+def recall_exact(data: dict) -> str:
+    """The bimodal outcomes compared as shares: the seeds that solve and the seeds that
+    escape the no-lookup plateau, every h against the fewest heads, by Fisher's exact
+    test (two-sided), Holm-adjusted over the family of 2(k - 1)."""
+    heads = _heads(data)
+    base_h, base = heads[0]
+    base_outcomes = _recall_outcomes(data, base)
+    tests = []
+    for h, r in heads[1:]:
+        outcomes = _recall_outcomes(data, r)
+        for name in ("solved", "escaped"):
+            a, b = outcomes[name], base_outcomes[name]
+            tests.append((f"{name}, h = {h} against h = {base_h}: {sum(a)}/{len(a)} against {sum(b)}/{len(b)}",
+                          stats.fisher_exact(sum(a), len(a), sum(b), len(b))))
+    adjusted = stats.holm([p for _, p in tests])
+    equals = lambda p: f"< {p_value(p)[1:]}" if p_value(p).startswith("<") else f"= {p_value(p)}"
+    return "\n".join(f"- {name}, Fisher p {equals(p)}, Holm p {equals(q)}" for (name, p), q in zip(tests, adjusted))
 
 
 def lm_pruning_table(data: dict) -> str:
@@ -391,7 +452,8 @@ def lr_grid_test(data: dict) -> str:
 RENDERERS: dict[str, dict[str, Callable[[dict], str]]] = {
     "lm_sweep": {"table": lm_sweep_table, "comparisons": lm_sweep_comparisons, "induction": lm_sweep_induction,
                  "rates": lm_sweep_rates, "head_types": lm_sweep_head_types, "power": lm_sweep_power},
-    "recall": {"reference": recall_reference, "table": recall_table, "comparisons": recall_comparisons},
+    "recall": {"reference": recall_reference, "table": recall_table, "comparisons": recall_comparisons,
+               "exact": recall_exact},
     "lm_pruning": {"table": lm_pruning_table, "spearman": lm_pruning_spearman, "induction": lm_pruning_induction},
     "ngram": {"table": ngram_table},
     "induction_control": {"table": induction_control_table, "summary": induction_control_summary},

@@ -230,6 +230,28 @@ def holm(p_values: Sequence[float | None]) -> list[float]:
     return out.tolist()
 
 
+def fisher_exact(successes_a: int, n_a: int, successes_b: int, n_b: int) -> float:
+    """Two-sided p value of Fisher's exact test that two shares come from one rate:
+    under the null, with both margins fixed, the first group's successes are
+    hypergeometric; p sums the probabilities of every table no more probable than the
+    observed one (scipy's rule, with the same 1e-7 relative tolerance for ties).
+
+    Raises:
+      ValueError: for counts outside 0 <= successes <= n.
+    """
+    for k, n in ((successes_a, n_a), (successes_b, n_b)):
+        if not 0 <= k <= n:
+            raise ValueError(f"successes must lie in [0, n], got successes={k}, n={n}")
+    total, drawn = n_a + n_b, successes_a + successes_b
+    low, high = max(0, drawn - n_b), min(drawn, n_a)
+    log_p = {k: (math.lgamma(n_a + 1) - math.lgamma(k + 1) - math.lgamma(n_a - k + 1)
+                 + math.lgamma(n_b + 1) - math.lgamma(drawn - k + 1) - math.lgamma(n_b - drawn + k + 1)
+                 - math.lgamma(total + 1) + math.lgamma(drawn + 1) + math.lgamma(total - drawn + 1))
+             for k in range(low, high + 1)}
+    observed = log_p[successes_a]
+    return min(1.0, sum(math.exp(v) for v in log_p.values() if v <= observed + 1e-7))
+
+
 def _normal_cdf(x: float) -> float:
     return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
 

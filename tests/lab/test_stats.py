@@ -159,3 +159,15 @@ def test_seeds_for_power_and_detectable_difference_invert_the_power():
     for bad in (dict(n=1, difference=0.1, sd=1.0), dict(n=5, difference=0.1, sd=0.0), dict(n=5, difference=0.1, sd=1.0, alpha=1.5)):
         with pytest.raises(ValueError, match="n >= 2|sd must|alpha must"):
             stats.paired_t_power(**bad)
+
+
+def test_fisher_exact_by_hand_and_against_scipy():
+    # 0/10 against 5/10: the tables as or less likely are k = 0 and k = 5 of the 5 successes in group a,
+    # each C(10, 0) C(10, 5) / C(20, 5) = 252 / 15504.
+    assert stats.fisher_exact(0, 10, 5, 10) == pytest.approx(2 * 252 / 15504, rel=1e-12)
+    assert stats.fisher_exact(2, 5, 2, 5) == 1.0 and stats.fisher_exact(0, 4, 0, 9) == 1.0
+    with pytest.raises(ValueError, match="successes=6, n=5"):
+        stats.fisher_exact(6, 5, 1, 5)
+    scipy_stats = pytest.importorskip("scipy.stats")
+    for a, n, b, m in ((3, 10, 8, 10), (1, 7, 6, 9), (10, 10, 0, 10), (4, 11, 9, 13)):
+        assert stats.fisher_exact(a, n, b, m) == pytest.approx(scipy_stats.fisher_exact([[a, n - a], [b, m - b]]).pvalue, rel=1e-9)

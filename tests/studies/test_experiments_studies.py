@@ -23,6 +23,7 @@ def test_associative_recall_tiny(tmp_path):
     from experiments import common_tables
 
     assert common_tables.recall_table(art) in summary  # the page and the study render the same table
+    assert "Fisher p" in summary and len(art["heads"]["2"]["escape_step"]) == 2
 
 
 def test_area_under_loss_is_the_trapezoid_mean():

@@ -95,6 +95,27 @@ def test_recall_table_counts_solved_seeds_with_wilson():
     assert report.render(data, "comparisons").count("Holm p ") == 2
 
 
+def test_recall_shares_escape_and_exact_tests():
+    ref = {"rows": 64, "value_mode": 0.3, "elimination": 0.29, "one_token_a": 0.65, "one_token_b": 0.65}
+    accs = {"1": [0.31, 0.32, 0.3, 0.33, 0.29, 0.31], "2": [0.95, 0.67, 0.66, 0.32, 0.99, 0.65],
+            "4": [0.3, 0.39, 0.41, 0.31, 0.3, 0.3]}  # escape line 0.3 + 0.1: 0.39 does not escape, 0.41 does
+    data = {"kind": "recall", "solved_accuracy": 0.9, "task": {"num_values": 8}, "reference": ref,
+            "heads": {h: {"head_dim": 32 // int(h), "learning_rate": 3e-3, "auc_loss": [1.0] * 6, "final_accuracy": a,
+                          "escape_step": [None if v < 0.4 else 100 * (i + 1) for i, v in enumerate(a)]}
+                      for h, a in accs.items()}}
+    text = report.render(data, "table")
+    assert "seeds escaped (accuracy ≥ 0.400)" in text and "| 2 | 16 | 3e-3 | 2/6 [" in text
+    assert "| 5/6 [" in text and "| 1/6 [" in text  # escaped at h = 2 and h = 4
+    assert "| 300 (100–600; 5/6) |" in text and "| never (0/6) |" in text  # median of 100, 200, 300, 500, 600
+    exact = report.render(data, "exact").splitlines()
+    assert len(exact) == 4
+    p = stats.fisher_exact(5, 6, 0, 6)
+    ps = [stats.fisher_exact(2, 6, 0, 6), p, stats.fisher_exact(0, 6, 0, 6), stats.fisher_exact(1, 6, 0, 6)]
+    holm = stats.holm(ps)
+    assert exact[1].startswith("- escaped, h = 2 against h = 1: 5/6 against 0/6, Fisher p = ")
+    assert f"Fisher p = {p:#.2g}, Holm p = {holm[1]:#.2g}" in exact[1]
+
+
 GRID = {"kind": "lr_grid", "metric": "dev bpc", "lower_is_better": True,
         "cells": [{"heads": 1, "lr": 1e-3, "values": [2.5, 2.7]}, {"heads": 1, "lr": 3e-3, "values": [2.2, 2.4]},
                   {"heads": 1, "lr": 1e-2, "values": [2.6, 2.8]}, {"heads": 4, "lr": 1e-3, "values": [2.4, 2.4]},
