@@ -35,7 +35,8 @@ def lines(task: TextTaskConfig) -> dict:
     corpus = task.corpus
     return {"kind": "ngram", "split": "test", "text": task.text_file or "pydoc_data.topics (Python Language Reference)",
             "characters": {name: int(len(corpus.split(name))) for name in ("train", "dev", "test")},
-            "bpc": ngram_baselines(corpus, ORDERS, split="test"), "dev_bpc": ngram_baselines(corpus, ORDERS, split="dev")}
+            "bpc": ngram_baselines(corpus, ORDERS, split="test"), "dev_bpc": ngram_baselines(corpus, ORDERS, split="dev"),
+            "metadata": {k: v for k, v in common.run_metadata().items() if k in ("cpu", "commit", "dirty", "argv")}}
 
 
 def main(argv=None) -> dict:
