@@ -303,7 +303,7 @@ def _run(q, k, v, bad_kv, vis: _masking.Visibility, call: _masking.Call, *, scal
     """Splash for what it takes, else the library's own kernel (interpret mode)."""
     if not _own_kernel(vis, call):
         return _splash(q, k, v, bad_kv, vis, call, scale=scale, **options)
-    q_block, k_block = flex.blocks(vis.n, vis.s)
+    q_block, k_block = flex.tpu_blocks(vis.n)
     with jax.numpy_dtype_promotion("standard"):
         out, lse, touched = flex.attend(q, k, v, bad_kv, vis, scale=scale, q_block=q_block, k_block=k_block,
                                          interpret=call.platform == "cpu", backend="mosaic")
