@@ -83,9 +83,9 @@ class Config(NamedTuple):
     score_grads: tuple  # per score_mod const: whether it takes a gradient (floating)
     score_reads: tuple  # Mosaic: per score_mod const `(shape, forms)` (`kernel_mods.tpu_forms`); else ()
     mask_reads: tuple  # the same for mask_mod's consts
-    interpret: bool
+    interpret: bool | str  # False: compiled; True: Pallas' generic interpret mode; "tpu": TPU interpret mode
     backend: str  # "triton" (a GPU) or "mosaic" (a TPU), when compiled
-    tpu_form: bool  # Mosaic's memory layout (`mosaic`): backend "mosaic" and the mods' reads have one
+    tpu_form: bool  # Mosaic's memory layout (`mosaic`): compiled or in TPU interpret mode, the mods' reads have one
 
     @property
     def atomic(self) -> bool:
@@ -540,8 +540,9 @@ def _vmem(buffers: dict) -> list:
 
 
 def _interpret(cfg: Config):
-    """Pallas' `interpret`: off when compiled; TPU interpret mode for Mosaic (it emulates
-    SMEM, VMEM and the copies between them), the generic one for Triton."""
+    """Pallas' `interpret`: off when compiled; TPU interpret mode for the Mosaic form (it
+    emulates SMEM, VMEM and the copies between them), else the generic one (which,
+    unlike TPU interpret mode's callbacks, may sit in a `platform_dependent` branch)."""
     if not cfg.interpret:
         return False
     if not cfg.mosaic:
@@ -644,7 +645,9 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 def attend(q, k, v, bad_kv, vis: _masking.Visibility, *, scale: float, q_block: int, k_block: int,
            interpret: bool, backend: str):
     """The kernel on q `(B…, H, N, D)`, k `(B…, K, S, D)`, v `(B…, K, S, Dv)` (finite)
-    under `vis` (its sinks excepted: merged by the caller), `bad_kv` bool `(B…, K, S)`.
+    under `vis` (its sinks excepted: merged by the caller), `bad_kv` bool `(B…, K, S)`;
+    `interpret` False (compiled), True (Pallas' interpret mode, the whole-array form) or
+    `"tpu"` (backend "mosaic": its TPU form in TPU interpret mode).
 
     Returns:
       `(out (B…, H, N, Dv), lse (B…, H, N) float32, touched (B…, H, N) bool)`; a row
@@ -743,7 +746,8 @@ def _config(vis, batch, h, kv_heads, scale, blocks, interpret, backend, mods, co
         mask_mod=mask_mod, bias_shape=bias_shape, q_lengths=vis.q_lengths is not None,
         kv_lengths=vis.kv_lengths is not None, segmented=vis.segmented, sched_shape=tuple(sched),
         score_grads=tuple(jnp.issubdtype(c.dtype, jnp.floating) for c in consts[0]), score_reads=reads[0],
-        mask_reads=reads[1], interpret=interpret, backend=backend, tpu_form=backend == "mosaic" and why is None)
+        mask_reads=reads[1], interpret=interpret, backend=backend,
+        tpu_form=backend == "mosaic" and why is None and interpret in (False, "tpu"))
 
 
 def _tpu_obstacle(reads, score_consts) -> str | None:

@@ -147,9 +147,10 @@ def _gather(eqn, operand: _Captured, parts, state):
 
 
 class _State:
-    def __init__(self, given, forms=None):
-        # forms: per const the set of read forms seen (`tpu_forms`), when classifying
-        self.given, self.reads, self.forms = given, [], forms
+    def __init__(self, given, forms=None, tpu=False):
+        # forms: per const the set of read forms seen (`tpu_forms`), when classifying;
+        # tpu: the Mosaic form (scalars and windows kept symbolic)
+        self.given, self.reads, self.forms, self.tpu = given, [], forms, tpu
 
 
 def _eval(jaxpr, consts, args, state):
@@ -175,7 +176,8 @@ def _eval_eqn(eqn, ins, state):
     if name in ("pjit", "jit", "closed_call") and "jaxpr" in eqn.params:
         inner = eqn.params["jaxpr"]
         return _eval(inner.jaxpr, inner.consts, ins, state)
-    if any(isinstance(x, (_Scalar, _Window, _Negative)) for x in ins):
+    constant = name == "broadcast_in_dim" and len(ins) == 1 and _scalar(ins[0]) is not None
+    if state.tpu and (constant or any(isinstance(x, (_Scalar, _Window, _Negative)) for x in ins)):
         out = _eval_tpu(eqn, ins)
         if out is not None:
             return [out]
@@ -187,9 +189,11 @@ def _eval_eqn(eqn, ins, state):
     if name == "broadcast_in_dim" and not isinstance(ins[0], (_Captured, _Trailing)):
         x = ins[0]
         shape, dims = tuple(eqn.params["shape"]), tuple(eqn.params["broadcast_dimensions"])
-        if shape == tuple(x.shape) + (1,) and dims == tuple(range(x.ndim)):
+        x_shape = tuple(jnp.shape(x)) if not isinstance(x, _Uniform) else x.shape  # a literal has no .shape
+        if shape == x_shape + (1,) and dims == tuple(range(len(x_shape))):
             return [_Trailing([x])]
-        if math.prod(x.shape) == 1 and len(shape) == x.ndim and dims == tuple(range(x.ndim)) and len(eqn.invars) == 1:
+        if math.prod(x_shape) == 1 and len(shape) == len(x_shape) and dims == tuple(range(len(x_shape))) \
+                and len(eqn.invars) == 1:
             return [_Uniform(x.x if isinstance(x, _Uniform) else x, shape)]
     if name == "concatenate" and all(isinstance(x, _Trailing) for x in ins) \
             and eqn.params["dimension"] == eqn.outvars[0].aval.ndim - 1:
@@ -221,10 +225,9 @@ def _eval_tpu(eqn, ins):
     normalisation of a negative window index is dropped; else None (materialised)."""
     name, out = eqn.primitive.name, eqn.outvars[0].aval
     scalars = [_scalar(x) for x in ins]
-    if name == "broadcast_in_dim" and isinstance(ins[0], _Scalar) and len(ins) == 1:
-        if tuple(out.shape) == ins[0].shape + (1,):
-            return _Trailing([ins[0]])
-        return _Scalar(ins[0].x, out.shape)
+    if name == "broadcast_in_dim" and scalars[0] is not None and len(ins) == 1:
+        x = ins[0] if isinstance(ins[0], _Scalar) else _Scalar(scalars[0], ())
+        return _Trailing([x]) if tuple(out.shape) == x.shape + (1,) else _Scalar(x.x, out.shape)
     if name in _SCALAR_OPS and all(x is not None for x in scalars):
         return _Scalar(eqn.primitive.bind(*scalars, **eqn.primitive.get_bind_params(eqn.params)), out.shape)
     window = next((x for x in ins if isinstance(x, _Window)), None)
@@ -309,7 +312,7 @@ def tpu_forms(mod, consts, bq: int, bk: int, score: bool) -> tuple:
     forms = [set() for _ in consts]
 
     def run(b, h, q0, k0):
-        state = _State(None, forms)
+        state = _State(None, forms, tpu=True)
         captured = [_Captured(_Whole(forms[i], c), c.shape, i) for i, c in enumerate(consts)]
         args = tpu_indices(b, h, q0, q0, bq, k0, k0, bk)
         _eval(mod.jaxpr, captured, ([jnp.zeros((bq, bk), jnp.float32)] if score else []) + list(args), state)
@@ -346,7 +349,7 @@ def evaluate(mod, const_refs, args, given=None):
     where it indexes them, or taken from `given` (one array per read, in the order
     `reads` lists them)."""
     consts = [_Captured(ref, _shape_of(ref), i) for i, ref in enumerate(const_refs)]
-    state = _State(given)
+    state = _State(given, tpu=any(isinstance(ref, dict) for ref in const_refs) or isinstance(args[-1], _Window))
     (out,) = _eval(mod.jaxpr, consts, list(args), state)
     return out, state.reads
 
