@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 
-def online_step(m, l, s, exp=jnp.exp):
+def online_step(m, l, s, exp=jnp.exp, keepdims: bool = False):
     """Folds a block of scores into the running softmax of each row.
 
     Args:
@@ -28,17 +28,19 @@ def online_step(m, l, s, exp=jnp.exp):
       l: the running normaliser `(…, rows)`, relative to `m`.
       s: the block's logits `(…, rows, keys)`, -inf where masked.
       exp: the exponential (the GPU kernel passes its faster one, `flex.exp_of`).
+      keepdims: `m`, `l` and the correction are `(…, rows, 1)` (a TPU kernel keeps
+        rows on sublanes: Mosaic's vectors are 2-D).
 
     Returns:
       `(m_new, l_new, p (…, rows, keys), correction (…, rows))`: `p = exp(s - m_new)`
       (0 where masked) and `correction = exp(m - m_new)`, which rescales anything
       accumulated against the old maximum (`acc * correction + p · v`).
     """
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=keepdims))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no -inf - -inf on a row with nothing yet
-    p = exp(s - m_safe[..., None])
+    p = exp(s - (m_safe if keepdims else m_safe[..., None]))
     correction = exp(m - m_safe)
-    return m_new, l * correction + jnp.sum(p, axis=-1), p, correction
+    return m_new, l * correction + jnp.sum(p, axis=-1, keepdims=keepdims), p, correction
 
 
 def fold_block(carry, s, v, mix: str, seen=None):

@@ -47,6 +47,9 @@ BLOCK = 64  # queries and keys per block
 # 1.07x; at D = 128 it was 1.7x the time on plain causal.
 NUM_WARPS, NUM_STAGES = 4, 2  # Triton's launch: warps per program, software-pipelined stages
 MIN_BLOCK = 16  # the smallest tile Triton's tl.dot takes
+# On a TPU: keys by 128, the lanes of a vreg (the minor axis of every score tile), and
+# queries by 128 (splash's smallest block), or N rounded up to 16 (a bfloat16 sublane tile).
+TPU_BLOCK, TPU_MIN_Q_BLOCK = 128, 16
 # The parts of a call (`jax_mha._path.PARTS`) the kernel expresses.
 TAKES = frozenset({"bias", "score_mod", "mask_mod", "logits_soft_cap", "sinks", "window", "kv_lengths", "q_lengths",
                    "segment_ids", "query_offset", "traced_offset", "return_residual"})
@@ -78,14 +81,24 @@ class Config(NamedTuple):
     segmented: bool
     sched_shape: tuple  # (Bs, Hs) of the schedule
     score_grads: tuple  # per score_mod const: whether it takes a gradient (floating)
-    interpret: bool
+    score_reads: tuple  # Mosaic: per score_mod const `(shape, forms)` (`kernel_mods.tpu_forms`); else ()
+    mask_reads: tuple  # the same for mask_mod's consts
+    interpret: bool | str  # False: compiled; True: Pallas' generic interpret mode; "tpu": TPU interpret mode
     backend: str  # "triton" (a GPU) or "mosaic" (a TPU), when compiled
+    tpu_form: bool  # Mosaic's memory layout (`mosaic`): compiled or in TPU interpret mode, the mods' reads have one
 
     @property
     def atomic(self) -> bool:
         """Accumulated gradients by atomic adds: compiled for a GPU, whose programs run
         at once (interpreted or on a TPU they run one after another)."""
         return self.backend == "triton" and not self.interpret
+
+    @property
+    def mosaic(self) -> bool:
+        """The TPU form of the kernel (compiled or in TPU interpret mode): the schedule and
+        the scalars in SMEM, tiles copied from HBM into VMEM buffers (`_load`), row
+        statistics and per-position vectors kept 2-D (`(rows, 1)`, `(1, keys)`)."""
+        return self.tpu_form
 
     @property
     def n_pad(self) -> int:
@@ -100,36 +113,71 @@ class Config(NamedTuple):
 class Inputs(NamedTuple):
     """The kernel's array inputs besides q, k, v (padded, flattened over the batch)."""
 
-    bad: jax.Array  # float32 (b, K, S_pad): 1 on keys whose key or value was not finite
+    bad: jax.Array  # float32 (b, K, S_pad) (Mosaic: (b, K, 1, S_pad)): 1 on keys whose key or value was not finite
+    bad_blocks: jax.Array | None  # int32 (b, K, nk), Mosaic only: 1 on key blocks holding a bad key
     bias: jax.Array | None  # (Bb, Hb, N_pad, S_pad)
     q_len: jax.Array | None  # int32 (b,)
     kv_len: jax.Array | None  # int32 (b,)
     pos: jax.Array | None  # int32 (2,): the traced offset and start, when either is traced
-    q_ids: jax.Array | None  # int32 (b, N_pad)
-    kv_ids: jax.Array | None  # int32 (b, S_pad)
+    q_ids: jax.Array | None  # int32 (b, N_pad) (Mosaic: (b, N_pad, 1))
+    kv_ids: jax.Array | None  # int32 (b, S_pad) (Mosaic: (b, 1, S_pad))
     schedule: schedules.BlockSchedule
     score_consts: tuple
     mask_consts: tuple
 
 
-def _refs_of(cfg: Config, refs):
-    """Names for the kernel's input refs, in `_flat_inputs`' order."""
-    it = iter(refs)
-    take = lambda present: next(it) if present else None
-    sched = tuple(next(it) for _ in range(6))
-    out = dict(sched=sched, q=next(it), k=next(it), v=next(it), bad=next(it), bias=take(cfg.bias_shape is not None),
-               q_len=take(cfg.q_lengths), kv_len=take(cfg.kv_lengths), pos=take(_traced(cfg)), q_ids=take(cfg.segmented),
-               kv_ids=take(cfg.segmented))
-    out["score"] = tuple(next(it) for _ in range(0 if cfg.score_mod is None else len(cfg.score_mod.jaxpr.constvars)))
-    out["mask"] = tuple(next(it) for _ in range(0 if cfg.mask_mod is None else len(cfg.mask_mod.jaxpr.constvars)))
-    return out, list(it)
+_SCHEDULE = ("kv_count", "kv_index", "kv_full", "q_count", "q_index", "q_full")
+# Read as scalars: in SMEM on a TPU.
+_SCALARS = frozenset(_SCHEDULE) | {"bad_blocks", "q_len", "kv_len", "pos"}
 
 
-def _flat_inputs(q, k, v, x: Inputs) -> list:
-    sched = x.schedule
-    parts = [sched.kv_count, sched.kv_index, sched.kv_full, sched.q_count, sched.q_index, sched.q_full, q, k, v,
-             x.bad, x.bias, x.q_len, x.kv_len, x.pos, x.q_ids, x.kv_ids, *x.score_consts, *x.mask_consts]
-    return [p for p in parts if p is not None]
+def _named_inputs(cfg: Config, q, k, v, x: Inputs) -> list:
+    """`(name, array)` of the kernel's inputs, those absent (None) left out; a mod's
+    consts are named `("score", i)` and `("mask", i)`, on Mosaic one input per form in
+    which the kernel reads them, `("score", i, form)` (`_const_forms`)."""
+    parts = [(name, getattr(x.schedule, name)) for name in _SCHEDULE]
+    parts += [("q", q), ("k", k), ("v", v), ("bad", x.bad), ("bad_blocks", x.bad_blocks), ("bias", x.bias),
+              ("q_len", x.q_len), ("kv_len", x.kv_len), ("pos", x.pos), ("q_ids", x.q_ids), ("kv_ids", x.kv_ids)]
+    for kind, consts, reads in (("score", x.score_consts, cfg.score_reads), ("mask", x.mask_consts, cfg.mask_reads)):
+        parts += _const_forms(cfg, kind, consts, reads) if cfg.mosaic else [((kind, i), c) for i, c in enumerate(consts)]
+    return [(name, a) for name, a in parts if a is not None]
+
+
+def _const_forms(cfg: Config, kind: str, consts, reads) -> list:
+    """(Mosaic) `((kind, i, form), array)` per const and form it is read in: 32-bit in
+    SMEM for scalar reads, else a column or row form padded by a block
+    (`kernel_mods.tpu_form_array`)."""
+    out = []
+    for i, (c, (_, forms)) in enumerate(zip(consts, reads)):
+        for form in forms:
+            if form == "smem":
+                wide = jnp.float32 if jnp.issubdtype(c.dtype, jnp.floating) else jnp.int32
+                out.append(((kind, i, form), c.astype(wide)))
+            else:
+                size = cfg.q_block if form[0] == "col" else cfg.k_block
+                out.append(((kind, i, form), kernel_mods.tpu_form_array(c, form, size)))
+    return out
+
+
+def _refs_of(cfg: Config, names: tuple, buffers: tuple, refs):
+    """`(r, outputs)`: the kernel's input refs by name (`r.get(name)` None when absent;
+    `r["sched"]`, `r["score"]`, `r["mask"]` tuples; `r["buf"]` the VMEM buffers by
+    name), and its output refs."""
+    split = len(refs) - len(buffers)
+    r = dict(zip(names, refs[:len(names)]))
+    r["buf"] = dict(zip(buffers, refs[split:]))
+    r["sched"] = tuple(r[name] for name in _SCHEDULE)
+    for kind in ("score", "mask"):
+        named = [(name, ref) for name, ref in zip(names, refs) if isinstance(name, tuple) and name[0] == kind]
+        if named and len(named[0][0]) == 3:  # Mosaic: per const its refs (and buffers) by form
+            shapes = cfg.score_reads if kind == "score" else cfg.mask_reads
+            consts = {i: {"shape": shape} for i, (shape, _) in enumerate(shapes)}
+            for (_, i, form), ref in named:
+                consts[i][form] = (ref, r["buf"].get((kind, i, form)))
+            r[kind] = tuple(consts[i] for i in sorted(consts))
+        else:
+            r[kind] = tuple(ref for _, ref in named)
+    return r, list(refs[len(names):split])
 
 
 def _traced(cfg: Config) -> bool:
@@ -149,6 +197,39 @@ def _start(cfg: Config, r):
 def _whole(x):
     """A BlockSpec giving every program the whole array (indexed inside)."""
     return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+
+def _span(cfg: Config, block, size: int):
+    """`pl.ds` of block `block` of `size` rows (Mosaic's copies told it is aligned)."""
+    start = block * size
+    return pl.ds(pl.multiple_of(start, size) if cfg.mosaic else start, size)
+
+
+def _load(cfg: Config, r, name, at):
+    """The block `at` of input `name`: read in place (Triton), or copied from HBM into
+    the input's VMEM buffer first (Mosaic: a TPU core computes on VMEM alone)."""
+    if not cfg.mosaic:
+        return r[name][at]
+    from jax.experimental.pallas import tpu as pltpu
+
+    pltpu.sync_copy(r[name].at[at], r["buf"][name])
+    return r["buf"][name][...]
+
+
+def _vector(cfg: Config, r, name, lead: tuple, span, axis: int):
+    """The window `span` of per-position vector `name` at leading indices `lead`, as a
+    column `(size, 1)` (axis 0) or a row `(1, size)` (axis 1). Triton's vectors are
+    `(…, L)`; Mosaic's keep the unit axis (`(…, L, 1)` or `(…, 1, L)`, `_tpu_vector`)."""
+    if not cfg.mosaic:
+        x = r[name][(*lead, span)]
+        return x[:, None] if axis == 0 else x[None, :]
+    whole = slice(None)
+    return _load(cfg, r, name, (*lead, span, whole) if axis == 0 else (*lead, whole, span))
+
+
+def _column(cfg: Config, x):
+    """A row statistic as a `(rows, 1)` column (Mosaic keeps them so already)."""
+    return x if cfg.mosaic else x[:, None]
 
 
 class _Tile(NamedTuple):
@@ -171,23 +252,32 @@ def _logits(cfg: Config, r, q, k, t: _Tile, full, given=None):
     after `score_mod`, and after the soft cap and the mask; `reads` what score_mod read."""
     bq, bk = cfg.q_block, cfg.k_block
     s0 = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * cfg.scale
-    if r["bias"] is not None:
+    if r.get("bias") is not None:
         bb, hb = cfg.bias_shape
-        s0 = s0 + r["bias"][t.b if bb > 1 else 0, t.h if hb > 1 else 0, pl.ds(t.i * bq, bq),
-                            pl.ds(t.j * bk, bk)].astype(jnp.float32)
-    rows = kernel_mods.lane_indices(t.i * bq, bq, 0, cfg.n)
-    cols = kernel_mods.lane_indices(t.j * bk, bk, 1, cfg.s)
-    heads = (jnp.full((1, 1), t.b, jnp.int32), jnp.full((1, 1), t.h, jnp.int32))
+        at = (t.b if bb > 1 else 0, t.h if hb > 1 else 0, _span(cfg, t.i, bq), _span(cfg, t.j, bk))
+        s0 = s0 + _load(cfg, r, "bias", at).astype(jnp.float32)
     s1, reads = s0, []
     if cfg.score_mod is not None:
-        s1, reads = kernel_mods.evaluate(cfg.score_mod, r["score"], (s0, *heads, rows + _start(cfg, r), cols), given)
+        s1, reads = kernel_mods.evaluate(cfg.score_mod, r["score"], (s0, *_mod_args(cfg, r, t)), given)
         s1 = s1.astype(jnp.float32)
     s2 = _masking.soft_cap(s1, cfg.soft_cap)
-    masked = lax.cond(full != 0, lambda: s2, lambda: jnp.where(_visible(cfg, r, t, heads, rows, cols), s2, -jnp.inf))
+    masked = lax.cond(full != 0, lambda: s2, lambda: jnp.where(_visible(cfg, r, t), s2, -jnp.inf))
     return s0, s1, masked, reads
 
 
-def _visible(cfg: Config, r, t: _Tile, heads, rows, cols):
+def _mod_args(cfg: Config, r, t: _Tile) -> tuple:
+    """The mods' `(b, h, q_idx, kv_idx)` on a tile: `(1, 1)`, `(1, 1)`, `(bq, 1)` and
+    `(1, bk)` int32, the indices clamped to the real lengths (on Mosaic the symbolic
+    scalars and windows of `kernel_mods.tpu_indices`)."""
+    bq, bk, start = cfg.q_block, cfg.k_block, _start(cfg, r)
+    if cfg.mosaic:
+        return kernel_mods.tpu_indices(t.b, t.h, t.i * bq + start, cfg.n - 1 + start, bq, t.j * bk, cfg.s - 1, bk)
+    heads = (jnp.full((1, 1), t.b, jnp.int32), jnp.full((1, 1), t.h, jnp.int32))
+    rows = kernel_mods.lane_indices(t.i * bq, bq, 0, cfg.n)
+    return (*heads, rows + start, kernel_mods.lane_indices(t.j * bk, bk, 1, cfg.s))
+
+
+def _visible(cfg: Config, r, t: _Tile):
     """bool `(bq, bk)`: the pairs of a partial block that may attend."""
     bq, bk = cfg.q_block, cfg.k_block
     raw_rows = t.i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
@@ -196,16 +286,16 @@ def _visible(cfg: Config, r, t: _Tile, heads, rows, cols):
     pattern = _masking.positional(_pattern(cfg, r), raw_rows, raw_cols)
     if pattern is not None:
         ok = ok & pattern
-    if r["q_len"] is not None:
+    if r.get("q_len") is not None:
         ok = ok & (raw_rows < r["q_len"][t.b])
-    if r["kv_len"] is not None:
+    if r.get("kv_len") is not None:
         ok = ok & (raw_cols < r["kv_len"][t.b])
-    if r["q_ids"] is not None:
-        q_ids = r["q_ids"][t.b, pl.ds(t.i * bq, bq)][:, None]
-        kv_ids = r["kv_ids"][t.b, pl.ds(t.j * bk, bk)][None, :]
+    if r.get("q_ids") is not None:
+        q_ids = _vector(cfg, r, "q_ids", (t.b,), _span(cfg, t.i, bq), 0)
+        kv_ids = _vector(cfg, r, "kv_ids", (t.b,), _span(cfg, t.j, bk), 1)
         ok = ok & (q_ids == kv_ids)
     if cfg.mask_mod is not None:
-        allowed, _ = kernel_mods.evaluate(cfg.mask_mod, r["mask"], (*heads, rows + _start(cfg, r), cols))
+        allowed, _ = kernel_mods.evaluate(cfg.mask_mod, r["mask"], _mod_args(cfg, r, t))
         ok = ok & allowed
     return ok
 
@@ -220,62 +310,64 @@ def exp_of(cfg: Config):
     return (lambda x: jnp.exp2(x * _LOG2E)) if cfg.backend == "triton" else jnp.exp
 
 
-def _touched(touched, s, bad):
-    """Each row's running flag of a visible bad key, updated by one block: `s (bq, bk)`
-    its logits (-inf where masked), `bad (bk,)` its keys' flags. Evaluated per pair only
-    when the block holds a bad key, so a call without one (nearly every call) pays a
-    reduction over `bk` flags per block, not three passes over its `bq × bk` pairs."""
-    seen = lambda: jnp.maximum(touched, jnp.max(jnp.where(s > -jnp.inf, bad[None, :], 0.0), axis=1))
-    return lax.cond(jnp.max(bad) > 0.0, seen, lambda: touched)
+def _touched(cfg: Config, r, touched, s, b, kv_head, j):
+    """Each row's running flag of a visible bad key, updated by key block `j`: `s
+    (bq, bk)` its logits (-inf where masked). Evaluated per pair only when the block
+    holds a bad key, so a call without one (nearly every call) pays a reduction over
+    `bk` flags per block (on Mosaic one SMEM read), not three passes over its pairs."""
+    bad = lambda: _vector(cfg, r, "bad", (b, kv_head), _span(cfg, j, cfg.k_block), 1)  # (1, bk)
+    seen = lambda x: jnp.maximum(touched, jnp.max(jnp.where(s > -jnp.inf, x, 0.0), axis=1, keepdims=cfg.mosaic))
+    if cfg.mosaic:  # a scalar predicate; the flags copied only for a block that has one
+        return lax.cond(r["bad_blocks"][b, kv_head, j] > 0, lambda: seen(bad()), lambda: touched)
+    flags = bad()
+    return lax.cond(jnp.max(flags) > 0.0, lambda: seen(flags), lambda: touched)
 
 
-def _forward_kernel(cfg: Config, *refs):
-    r, (o_ref, lse_ref, touched_ref) = _refs_of(cfg, refs)
+def _forward_kernel(cfg: Config, names: tuple, buffers: tuple, *refs):
+    r, (o_ref, lse_ref, touched_ref) = _refs_of(cfg, names, buffers, refs)
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_count, kv_index, kv_full = r["sched"][:3]
     sb, sh = _sched_at(cfg, b, h)
-    kv_head = h // cfg.groups
+    kv_head = lax.div(h, cfg.groups)  # jnp's // lowers through sign, which Mosaic lowers only on a TPU
     bq, bk = cfg.q_block, cfg.k_block
-    q = r["q"][b, h, pl.ds(i * bq, bq), :]
+    q = _load(cfg, r, "q", (b, h, _span(cfg, i, bq), slice(None)))
 
     def body(t, carry):
         m, l, acc, touched = carry
         j, full = kv_index[sb, sh, i, t], kv_full[sb, sh, i, t]
-        k = r["k"][b, kv_head, pl.ds(j * bk, bk), :]
+        k = _load(cfg, r, "k", (b, kv_head, _span(cfg, j, bk), slice(None)))
         _, _, s, _ = _logits(cfg, r, q, k, _Tile(b, h, i, j), full)
-        m, l, p, correction = online_step(m, l, s, exp_of(cfg))
-        v = r["v"][b, kv_head, pl.ds(j * bk, bk), :]
-        acc = acc * correction[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return m, l, acc, _touched(touched, s, r["bad"][b, kv_head, pl.ds(j * bk, bk)])
+        m, l, p, correction = online_step(m, l, s, exp_of(cfg), keepdims=cfg.mosaic)
+        v = _load(cfg, r, "v", (b, kv_head, _span(cfg, j, bk), slice(None)))
+        acc = acc * _column(cfg, correction) + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return m, l, acc, _touched(cfg, r, touched, s, b, kv_head, j)
 
     dv = o_ref.shape[-1]
-    init = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, dv), jnp.float32),
-            jnp.zeros((bq,), jnp.float32))
+    stat = (bq, 1) if cfg.mosaic else (bq,)
+    init = (jnp.full(stat, -jnp.inf, jnp.float32), jnp.zeros(stat, jnp.float32), jnp.zeros((bq, dv), jnp.float32),
+            jnp.zeros(stat, jnp.float32))
     m, l, acc, touched = lax.fori_loop(0, kv_count[sb, sh, i], body, init)
     seen = l > 0.0
-    o_ref[...] = (acc / jnp.where(seen, l, 1.0)[:, None]).astype(o_ref.dtype)
+    o_ref[...] = (acc / _column(cfg, jnp.where(seen, l, 1.0))).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
     touched_ref[...] = touched
 
 
 def _backward_tile(cfg: Config, r, q, k, v, g, lse, delta, t: _Tile, full, with_reads: bool):
-    """`(p, ds0, reads, read cotangents)` of one block: the weights and the logits'
-    gradient before the mods (`ds0`, what q, k and the bias receive)."""
+    """`(p, ds0, reads, read cotangents)` of one block (`lse`, `delta` `(bq, 1)`): the
+    weights and the logits' gradient before the mods (`ds0`, what q, k and the bias receive)."""
     s0, s1, s, reads = _logits(cfg, r, q, k, t, full)
-    p = exp_of(cfg)(s - jnp.where(lse == -jnp.inf, jnp.inf, lse)[:, None])
+    p = exp_of(cfg)(s - jnp.where(lse == -jnp.inf, jnp.inf, lse))
     dp = lax.dot_general(g, v, _NT, preferred_element_type=jnp.float32)
-    ds = logits_grad(p, dp, delta[:, None])  # the gradient of the capped logits
+    ds = logits_grad(p, dp, delta)  # the gradient of the capped logits
     if cfg.soft_cap is not None:
         ds = ds * (1.0 - jnp.square(jnp.tanh(s1 / cfg.soft_cap)))
     if cfg.score_mod is None:
         return p, ds, reads, ()
-    heads = (jnp.full((1, 1), t.b, jnp.int32), jnp.full((1, 1), t.h, jnp.int32))
-    rows = kernel_mods.lane_indices(t.i * cfg.q_block, cfg.q_block, 0, cfg.n)
-    cols = kernel_mods.lane_indices(t.j * cfg.k_block, cfg.k_block, 1, cfg.s)
     values = tuple(read.values for read in reads)
 
     def mod(s0, *values):
-        out, _ = kernel_mods.evaluate(cfg.score_mod, r["score"], (s0, *heads, rows + _start(cfg, r), cols), values)
+        out, _ = kernel_mods.evaluate(cfg.score_mod, r["score"], (s0, *_mod_args(cfg, r, t)), values)
         return out.astype(jnp.float32)
 
     if not with_reads:
@@ -286,29 +378,29 @@ def _backward_tile(cfg: Config, r, q, k, v, g, lse, delta, t: _Tile, full, with_
     return p, ds0, reads, tuple(cts)
 
 
-def _dq_kernel(cfg: Config, *refs):
-    r, rest = _refs_of(cfg, refs)
-    g_ref, lse_ref, delta_ref, *outs = rest
-    # The zero-initialised inputs aliased to the accumulated outputs come first: skip them.
-    dq_ref, dbias_ref, const_refs = _backward_outs(cfg, outs[_accumulated(cfg):])
+def _dq_kernel(cfg: Config, names: tuple, buffers: tuple, *refs):
+    r, outs = _refs_of(cfg, names, buffers, refs)
+    dq_ref, dbias_ref, const_refs = _backward_outs(cfg, outs)
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_count, kv_index, kv_full = r["sched"][:3]
     sb, sh = _sched_at(cfg, b, h)
-    kv_head = h // cfg.groups
+    kv_head = lax.div(h, cfg.groups)
     bq, bk = cfg.q_block, cfg.k_block
-    rows = pl.ds(i * bq, bq)
-    q, g = r["q"][b, h, rows, :], g_ref[b, h, rows, :]
-    lse, delta = lse_ref[b, h, rows], delta_ref[b, h, rows]
+    rows = _span(cfg, i, bq)
+    q, g = (_load(cfg, r, name, (b, h, rows, slice(None))) for name in ("q", "g"))
+    lse, delta = (_vector(cfg, r, name, (b, h), rows, 0) for name in ("lse", "delta"))
     with_reads = any(ref is not None for ref in const_refs)
+    if cfg.mosaic and with_reads:
+        pl.when((b == 0) & (h == 0) & (i == 0))(lambda: _zero_smem([ref for ref in const_refs if ref is not None]))
 
     def body(t, dq):
         j, full = kv_index[sb, sh, i, t], kv_full[sb, sh, i, t]
-        cols = pl.ds(j * bk, bk)
-        k, v = r["k"][b, kv_head, cols, :], r["v"][b, kv_head, cols, :]
+        cols = _span(cfg, j, bk)
+        k, v = (_load(cfg, r, name, (b, kv_head, cols, slice(None))) for name in ("k", "v"))
         tile = _Tile(b, h, i, j)
         _, ds0, reads, cts = _backward_tile(cfg, r, q, k, v, g, lse, delta, tile, full, with_reads)
         if dbias_ref is not None:
-            _add_bias_grad(cfg, dbias_ref, tile, ds0)
+            _add_bias_grad(cfg, r, dbias_ref, tile, ds0)
         if with_reads:
             kernel_mods.scatter_add(const_refs, reads, cts, cfg.atomic)
         return dq + jnp.dot(ds0.astype(k.dtype), k, preferred_element_type=jnp.float32)
@@ -317,10 +409,21 @@ def _dq_kernel(cfg: Config, *refs):
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 
-def _accumulated(cfg: Config) -> int:
-    """How many of the dq kernel's outputs are accumulated: the bias gradient and those
-    of the floating values score_mod reads."""
-    return (cfg.bias_shape is not None) + sum(cfg.score_grads)
+def _zero_smem(refs):
+    """Zeroes SMEM refs entry by entry (the gradients of a mod's scalars, accumulated
+    by the dq kernel's programs, which run one after another on a TPU core)."""
+    for ref in refs:
+        shape = ref.shape
+
+        def zero(e, _, ref=ref, shape=shape):
+            idx = []
+            for dim in reversed(shape):
+                idx.append(lax.rem(e, dim))
+                e = lax.div(e, dim)
+            ref[tuple(reversed(idx))] = jnp.float32(0.0)
+            return 0
+
+        lax.fori_loop(0, math.prod(shape), zero, 0)
 
 
 def _backward_outs(cfg: Config, outs):
@@ -332,13 +435,24 @@ def _backward_outs(cfg: Config, outs):
     return dq, dbias, consts
 
 
-def _add_bias_grad(cfg: Config, dbias_ref, t: _Tile, ds0):
+def _add_bias_grad(cfg: Config, r, dbias_ref, t: _Tile, ds0):
     """The bias gradient of one block: stored when the bias has this (batch, head)'s own
-    entry, else added to the shared one (atomically on a GPU)."""
+    entry, else added to the shared one (atomically on a GPU; on a TPU, whose programs
+    run one after another, through the VMEM buffer `dbias` and back to HBM)."""
     bb, hb = cfg.bias_shape
-    at = (t.b if bb > 1 else 0, t.h if hb > 1 else 0, pl.ds(t.i * cfg.q_block, cfg.q_block),
-          pl.ds(t.j * cfg.k_block, cfg.k_block))
-    if bb == cfg.batch and hb == cfg.groups * cfg.kv_heads:  # no other program writes this block
+    at = (t.b if bb > 1 else 0, t.h if hb > 1 else 0, _span(cfg, t.i, cfg.q_block), _span(cfg, t.j, cfg.k_block))
+    own = bb == cfg.batch and hb == cfg.groups * cfg.kv_heads  # no other program writes this block
+    if cfg.mosaic:
+        from jax.experimental.pallas import tpu as pltpu
+
+        buf = r["buf"]["dbias"]
+        if own:
+            buf[...] = ds0
+        else:
+            pltpu.sync_copy(dbias_ref.at[at], buf)
+            buf[...] = buf[...] + ds0
+        pltpu.sync_copy(buf, dbias_ref.at[at])
+    elif own:
         dbias_ref[at] = ds0
     elif cfg.atomic:
         from jax.experimental.pallas import triton as plgpu
@@ -348,13 +462,13 @@ def _add_bias_grad(cfg: Config, dbias_ref, t: _Tile, ds0):
         dbias_ref[at] = dbias_ref[at] + ds0
 
 
-def _dkv_kernel(cfg: Config, *refs):
-    r, (g_ref, lse_ref, delta_ref, dk_ref, dv_ref) = _refs_of(cfg, refs)
+def _dkv_kernel(cfg: Config, names: tuple, buffers: tuple, *refs):
+    r, (dk_ref, dv_ref) = _refs_of(cfg, names, buffers, refs)
     b, kv_head, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_count, q_index, q_full = r["sched"][3:]
     bq, bk = cfg.q_block, cfg.k_block
-    cols = pl.ds(j * bk, bk)
-    k, v = r["k"][b, kv_head, cols, :], r["v"][b, kv_head, cols, :]
+    cols = _span(cfg, j, bk)
+    k, v = (_load(cfg, r, name, (b, kv_head, cols, slice(None))) for name in ("k", "v"))
 
     def head(g_in_group, acc):
         h = kv_head * cfg.groups + g_in_group
@@ -363,10 +477,10 @@ def _dkv_kernel(cfg: Config, *refs):
         def body(t, acc):
             dk, dv = acc
             i, full = q_index[sb, sh, j, t], q_full[sb, sh, j, t]
-            rows = pl.ds(i * bq, bq)
-            q, g = r["q"][b, h, rows, :], g_ref[b, h, rows, :]
-            p, ds0, _, _ = _backward_tile(cfg, r, q, k, v, g, lse_ref[b, h, rows], delta_ref[b, h, rows],
-                                          _Tile(b, h, i, j), full, False)
+            rows = _span(cfg, i, bq)
+            q, g = (_load(cfg, r, name, (b, h, rows, slice(None))) for name in ("q", "g"))
+            lse, delta = (_vector(cfg, r, name, (b, h), rows, 0) for name in ("lse", "delta"))
+            p, ds0, _, _ = _backward_tile(cfg, r, q, k, v, g, lse, delta, _Tile(b, h, i, j), full, False)
             dv = dv + lax.dot_general(p.astype(g.dtype), g, _TN, preferred_element_type=jnp.float32)
             dk = dk + lax.dot_general(ds0.astype(q.dtype), q, _TN, preferred_element_type=jnp.float32)
             return dk, dv
@@ -379,12 +493,63 @@ def _dkv_kernel(cfg: Config, *refs):
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _call(cfg: Config, kernel, grid, inputs, out_shape, out_specs, aliases=None):
+def _call(cfg: Config, kernel, grid, named: list, out_shape, out_specs, aliases=None, buffers=None):
+    """`kernel` over `grid` on the `(name, array)` inputs; on Mosaic with a VMEM buffer
+    per tiled input (`_buffers`) and `buffers` (name -> `(shape, dtype)`) besides."""
+    names, inputs = zip(*named)
+    scratch = {} if not cfg.mosaic else {**_buffers(cfg, dict(named)), **(buffers or {})}
     with jax.enable_x64(False):
-        return pl.pallas_call(functools.partial(kernel, cfg), grid=grid, in_specs=[_whole(x) for x in inputs],
-                              out_specs=out_specs, out_shape=out_shape, interpret=cfg.interpret,
+        return pl.pallas_call(functools.partial(kernel, cfg, names, tuple(scratch)), grid=grid,
+                              in_specs=[_in_spec(cfg, name, x) for name, x in named], out_specs=out_specs,
+                              out_shape=out_shape, scratch_shapes=_vmem(scratch), interpret=_interpret(cfg),
                               input_output_aliases=aliases or {}, name=kernel.__name__.strip("_"),
                               compiler_params=_compiler_params(cfg))(*inputs)
+
+
+def _in_spec(cfg: Config, name, x):
+    """The whole array (Triton); on Mosaic SMEM for what is read as scalars, else left
+    in HBM (`pl.ANY`) for `_load` to copy from."""
+    if not cfg.mosaic:
+        return _whole(x)
+    from jax.experimental.pallas import tpu as pltpu
+
+    scalar = name in _SCALARS or (isinstance(name, tuple) and name[-1] == "smem")
+    return pl.BlockSpec(memory_space=pltpu.SMEM if scalar else pl.ANY)
+
+
+def _buffers(cfg: Config, arrays: dict) -> dict:
+    """name -> `(shape, dtype)` of the VMEM buffer each tiled input of `arrays` is
+    copied into (Mosaic): one block of rows or keys, or one tile."""
+    bq, bk = cfg.q_block, cfg.k_block
+    tiles = {"q": (bq, None), "g": (bq, None), "k": (bk, None), "v": (bk, None), "bias": (bq, bk), "bad": (1, bk),
+             "q_ids": (bq, 1), "kv_ids": (1, bk), "lse": (bq, 1), "delta": (bq, 1)}
+    out = {name: ((rows, arrays[name].shape[-1] if cols is None else cols), arrays[name].dtype)
+           for name, (rows, cols) in tiles.items() if name in arrays}
+    for name, x in arrays.items():  # a mod's const read as windows: one column or row
+        if isinstance(name, tuple) and len(name) == 3 and name[2] != "smem":
+            out[name] = ((bq, 1) if name[2][0] == "col" else (1, bk)), x.dtype
+    return out
+
+
+def _vmem(buffers: dict) -> list:
+    if not buffers:
+        return []
+    from jax.experimental.pallas import tpu as pltpu
+
+    return [pltpu.VMEM(shape, dtype) for shape, dtype in buffers.values()]
+
+
+def _interpret(cfg: Config):
+    """Pallas' `interpret`: off when compiled; TPU interpret mode for the Mosaic form (it
+    emulates SMEM, VMEM and the copies between them), else the generic one (which,
+    unlike TPU interpret mode's callbacks, may sit in a `platform_dependent` branch)."""
+    if not cfg.interpret:
+        return False
+    if not cfg.mosaic:
+        return True
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams()
 
 
 def _compiler_params(cfg: Config):
@@ -400,11 +565,15 @@ def _compiler_params(cfg: Config):
 def _forward(cfg: Config, q, k, v, x: Inputs):
     b, h, n_pad, _ = q.shape
     dv = v.shape[-1]
-    rows = pl.BlockSpec((None, None, cfg.q_block), lambda b, h, i: (b, h, i))
+    stat = (1,) if cfg.mosaic else ()  # Mosaic's blocks are 2-D: (bq, 1)
+    rows = pl.BlockSpec((None, None, cfg.q_block, *stat), lambda b, h, i: (b, h, i, *(0,) * len(stat)))
     out_shape = (jax.ShapeDtypeStruct((b, h, n_pad, dv), q.dtype),
-                 jax.ShapeDtypeStruct((b, h, n_pad), jnp.float32), jax.ShapeDtypeStruct((b, h, n_pad), jnp.float32))
+                 jax.ShapeDtypeStruct((b, h, n_pad, *stat), jnp.float32),
+                 jax.ShapeDtypeStruct((b, h, n_pad, *stat), jnp.float32))
     out_specs = (pl.BlockSpec((None, None, cfg.q_block, dv), lambda b, h, i: (b, h, i, 0)), rows, rows)
-    return _call(cfg, _forward_kernel, (b, h, n_pad // cfg.q_block), _flat_inputs(q, k, v, x), out_shape, out_specs)
+    out, lse, touched = _call(cfg, _forward_kernel, (b, h, n_pad // cfg.q_block), _named_inputs(cfg, q, k, v, x),
+                              out_shape, out_specs)
+    return out, lse.reshape(b, h, n_pad), touched.reshape(b, h, n_pad)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -421,10 +590,12 @@ def _attend_bwd(cfg: Config, saved, cotangents):
     q, k, v, x, out, lse = saved
     g, g_lse, _ = cotangents
     delta = output_delta(g.astype(jnp.float32), out.astype(jnp.float32), g_lse)
-    inputs = _flat_inputs(q, k, v, x) + [g.astype(q.dtype), lse, delta]
+    column = (lambda y: y[..., None]) if cfg.mosaic else (lambda y: y)  # Mosaic's (…, N_pad, 1)
+    inputs = _named_inputs(cfg, q, k, v, x) + [("g", g.astype(q.dtype)), ("lse", column(lse)), ("delta", column(delta))]
     dq, dbias, dconsts = _dq(cfg, q, inputs, x)
     dk, dv = _dkv(cfg, k, v, inputs)
-    d_inputs = Inputs(None, dbias, None, None, None, None, None, None, dconsts, tuple(None for _ in x.mask_consts))
+    d_inputs = Inputs(None, None, dbias, None, None, None, None, None, None, dconsts,
+                      tuple(None for _ in x.mask_consts))
     return dq, dk, dv, d_inputs
 
 
@@ -436,16 +607,28 @@ def _dq(cfg: Config, q, inputs, x: Inputs):
     accumulated = [] if x.bias is None else [x.bias]
     accumulated += [c for c, takes in zip(x.score_consts, cfg.score_grads) if takes]
     for c in accumulated:  # zero-initialised outputs, written block by block or added to
-        aliases[len(inputs) + len(extra)] = len(out_shape)
-        extra.append(jnp.zeros(c.shape, jnp.float32))
+        if not cfg.mosaic or c is x.bias:  # (Mosaic's SMEM outputs are not read in: zeroed by the kernel)
+            aliases[len(inputs) + len(extra)] = len(out_shape)
+            extra.append((("zeros", len(extra)), jnp.zeros(c.shape, jnp.float32)))
         out_shape.append(jax.ShapeDtypeStruct(c.shape, jnp.float32))
-        out_specs.append(_whole(c))
+        out_specs.append(_accumulated_spec(cfg, c, c is not x.bias))
+    buffers = {"dbias": ((cfg.q_block, cfg.k_block), jnp.float32)} if x.bias is not None else {}
     outs = _call(cfg, _dq_kernel, (b, h, n_pad // cfg.q_block), inputs + extra, tuple(out_shape), tuple(out_specs),
-                 aliases)
+                 aliases, buffers)
     dq, rest = outs[0], list(outs[1:])
     dbias = None if x.bias is None else rest.pop(0).astype(x.bias.dtype)
     dconsts = tuple(rest.pop(0).astype(c.dtype) if takes else None for c, takes in zip(x.score_consts, cfg.score_grads))
     return dq, dbias, dconsts
+
+
+def _accumulated_spec(cfg: Config, c, scalar_reads: bool):
+    """The spec of an accumulated gradient: whole (Triton); on Mosaic in HBM (the bias's,
+    written tile by tile) or in SMEM (a score_mod const's, read as scalars)."""
+    if not cfg.mosaic:
+        return _whole(c)
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pl.BlockSpec(memory_space=pltpu.SMEM if scalar_reads else pl.ANY)
 
 
 def _dkv(cfg: Config, k, v, inputs):
@@ -462,7 +645,9 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 def attend(q, k, v, bad_kv, vis: _masking.Visibility, *, scale: float, q_block: int, k_block: int,
            interpret: bool, backend: str):
     """The kernel on q `(B…, H, N, D)`, k `(B…, K, S, D)`, v `(B…, K, S, Dv)` (finite)
-    under `vis` (its sinks excepted: merged by the caller), `bad_kv` bool `(B…, K, S)`.
+    under `vis` (its sinks excepted: merged by the caller), `bad_kv` bool `(B…, K, S)`;
+    `interpret` False (compiled), True (Pallas' interpret mode, the whole-array form) or
+    `"tpu"` (backend "mosaic": its TPU form in TPU interpret mode).
 
     Returns:
       `(out (B…, H, N, Dv), lse (B…, H, N) float32, touched (B…, H, N) bool)`; a row
@@ -477,19 +662,38 @@ def attend(q, k, v, bad_kv, vis: _masking.Visibility, *, scale: float, q_block: 
     mask_mod, mask_consts = _trace(vis.mask_mod, q_block, k_block, score=False)
     schedule = vis.schedule if fits(vis.schedule, vis, b, h, q_block, k_block) else (
         schedules.build_schedule(vis, q_block, k_block))
-    cfg = _config(vis, batch, h, kf.shape[1], scale, (q_block, k_block), interpret, backend, score_mod, mask_mod,
-                  score_consts, schedule.kv_count.shape[:2])
+    cfg = _config(vis, batch, h, kf.shape[1], scale, (q_block, k_block), interpret, backend, (score_mod, mask_mod),
+                  (score_consts, mask_consts), schedule.kv_count.shape[:2])
     pad = lambda x, size, axis, value=0: jnp.pad(x, [(0, size - x.shape[axis]) if a == axis else (0, 0)
                                                      for a in range(x.ndim)], constant_values=value)
     qf = pad(qf, cfg.n_pad, 2)
     kf, vf = pad(kf, cfg.s_pad, 2), pad(vf, cfg.s_pad, 2)
     bad = pad(jnp.broadcast_to(bad_kv, batch + bad_kv.shape[-2:]).reshape(b, -1, s).astype(jnp.float32), cfg.s_pad, 2)
     pos = jnp.stack([jnp.asarray(vis.offset, jnp.int32), jnp.asarray(vis.start, jnp.int32)]) if _traced(cfg) else None
-    x = Inputs(bad, _bias(vis, cfg, batch), *_lengths(vis, batch), pos, *_ids(vis, batch, cfg),
+    q_ids, kv_ids = _ids(vis, batch, cfg)
+    bad_blocks = None
+    if cfg.mosaic:
+        bad_blocks = (jnp.max(bad.reshape(b, -1, cfg.s_pad // cfg.k_block, cfg.k_block), axis=-1) > 0).astype(jnp.int32)
+        bad, q_ids, kv_ids = _tpu_vector(bad, 1), _tpu_vector(q_ids, 0), _tpu_vector(kv_ids, 1)
+    x = Inputs(bad, bad_blocks, _bias(vis, cfg, batch), *_lengths(vis, batch), pos, q_ids, kv_ids,
                schedule=schedule, score_consts=score_consts, mask_consts=mask_consts)
     out, lse, touched = _attend(cfg, qf, kf, vf, x)
     unflat = lambda y: y[:, :, :n].reshape(batch + y.shape[1:2] + (n,) + y.shape[3:])
     return unflat(out), unflat(lse), unflat(touched) > 0
+
+
+def _tpu_vector(x, axis: int):
+    """Per-position vectors `(…, L)` as Mosaic reads them (`_vector`): `(…, L, 1)` to be
+    read as columns (axis 0), `(…, 1, L)` as rows (axis 1); None stays None."""
+    if x is None:
+        return None
+    return x[..., None] if axis == 0 else x[..., None, :]
+
+
+def tpu_blocks(n: int) -> tuple[int, int]:
+    """`(q_block, k_block)` on a TPU (`TPU_BLOCK`): 128 by 128, or N rounded up to 16
+    queries when shorter."""
+    return min(TPU_BLOCK, -(-n // TPU_MIN_Q_BLOCK) * TPU_MIN_Q_BLOCK), TPU_BLOCK
 
 
 def blocks(n: int, s: int) -> tuple[int, int]:
@@ -520,8 +724,17 @@ def _trace(mod, bq: int, bk: int, score: bool):
     return trace_mod(mod, *avals)
 
 
-def _config(vis, batch, h, kv_heads, scale, blocks, interpret, backend, score_mod, mask_mod, score_consts,
-            sched) -> Config:
+def _config(vis, batch, h, kv_heads, scale, blocks, interpret, backend, mods, consts, sched) -> Config:
+    """The call's `Config`; `mods` `(score_mod, mask_mod)` traced, `consts` theirs.
+
+    Raises:
+      ValueError: compiled for a TPU, a mod reads what a TPU kernel cannot (`tpu_reads`).
+    """
+    score_mod, mask_mod = mods
+    reads = _tpu_reads(mods, consts, *blocks) if backend == "mosaic" else ((), ())
+    why = _tpu_obstacle(reads, consts[0]) if backend == "mosaic" else None
+    if why is not None and not interpret:
+        raise ValueError(f"the library's kernel compiled for a TPU cannot take {why}")
     bias_shape = None
     if vis.bias is not None:
         bias = lax.broadcast_to_rank(vis.bias, len(batch) + 3)
@@ -532,8 +745,43 @@ def _config(vis, batch, h, kv_heads, scale, blocks, interpret, backend, score_mo
         offset=static_int(vis.offset), start=static_int(vis.start), soft_cap=vis.logits_soft_cap, score_mod=score_mod,
         mask_mod=mask_mod, bias_shape=bias_shape, q_lengths=vis.q_lengths is not None,
         kv_lengths=vis.kv_lengths is not None, segmented=vis.segmented, sched_shape=tuple(sched),
-        score_grads=tuple(jnp.issubdtype(c.dtype, jnp.floating) for c in score_consts), interpret=interpret,
-        backend=backend)
+        score_grads=tuple(jnp.issubdtype(c.dtype, jnp.floating) for c in consts[0]), score_reads=reads[0],
+        mask_reads=reads[1], interpret=interpret, backend=backend,
+        tpu_form=backend == "mosaic" and why is None and interpret in (False, "tpu"))
+
+
+def _tpu_obstacle(reads, score_consts) -> str | None:
+    """What in the mods' reads (`Config.score_reads`, `mask_reads`) has no TPU form,
+    as a phrase, or None: a read at a computed index, a use of a whole array, a
+    per-position vector score_mod reads that takes a gradient."""
+    for kind, per_const in zip(("score_mod", "mask_mod"), reads):
+        for i, (_, forms) in enumerate(per_const):
+            if "gather" in forms:
+                return (f"a table indexed by a computed index ({kind} reads an array it closes over at an index "
+                        "computed from its arguments: a gather, which a TPU kernel cannot do)")
+            if "whole" in forms:
+                return f"an array {kind} closes over and uses whole (not read at its arguments)"
+            floating = kind == "score_mod" and jnp.issubdtype(score_consts[i].dtype, jnp.floating)
+            if floating and any(f != "smem" for f in forms):
+                return "the gradient of a floating per-position vector score_mod reads (only per-(batch, head) scalars)"
+    return None
+
+
+def tpu_refusal(vis: _masking.Visibility) -> str | None:
+    """What the mods of `vis` read that the kernel compiled for a TPU cannot (a phrase
+    for a refusal: `_tpu_obstacle`), or None."""
+    bq, bk = tpu_blocks(vis.n)
+    (score_mod, score_consts), (mask_mod, mask_consts) = (_trace(vis.score_mod, bq, bk, score=True),
+                                                          _trace(vis.mask_mod, bq, bk, score=False))
+    consts = (score_consts, mask_consts)
+    return _tpu_obstacle(_tpu_reads((score_mod, mask_mod), consts, bq, bk), score_consts)
+
+
+def _tpu_reads(mods, consts, bq: int, bk: int) -> tuple:
+    """Per mod (score_mod, mask_mod), per const `(shape, forms)`: how a TPU kernel reads
+    it (`kernel_mods.tpu_forms`)."""
+    return tuple(tuple((c.shape, forms) for c, forms in zip(cs, kernel_mods.tpu_forms(mod, cs, bq, bk, score=i == 0)))
+                 for i, (mod, cs) in enumerate(zip(mods, consts)))
 
 
 def _bias(vis, cfg: Config, batch):

@@ -12,6 +12,13 @@ index (relative-position buckets `table[h, bucket(kv_idx - q_idx)]`). Any other 
 a captured array loads it whole, which interpret mode runs and a compiled kernel may
 refuse to lower (`gathers_only` tells the kernel paths to refuse it by name first).
 
+On a TPU (Mosaic) no gather exists: there `evaluate` gets the tile's indices as
+`tpu_indices` (b and h as scalars, q_idx and kv_idx as windows `start + iota`) and
+each const in the forms `tpu_forms` found for it before the call: a read at scalar
+indices (`slopes[h]`) is a scalar read from SMEM, a read along q_idx or kv_idx shifted
+by a scalar (`doc[b, q_idx + c]`) is one copy of a contiguous window from HBM, and any
+other read (`table[h, bucket(kv_idx - q_idx)]`, a gather) has no TPU form.
+
 Gradients: `evaluate` records each const read (`Read`: which const, its index arrays,
 the values read); `evaluate(..., reads=values)` runs the mod with those values given,
 so the VJP of the mod with respect to what it read is ordinary `jax.vjp`, and each
@@ -27,6 +34,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.extend.core import Literal
 
 
@@ -71,7 +79,39 @@ class Read(NamedTuple):
     parts: tuple
 
 
+class _Scalar:
+    """(Mosaic) a value equal at every element of `shape`, held as one 0-d scalar (a
+    head index, a slope read from SMEM): arithmetic among scalars stays scalar."""
+
+    def __init__(self, x, shape):
+        self.x, self.shape, self.ndim = x, tuple(shape), len(shape)
+
+
+class _Window:
+    """(Mosaic) positions `start + iota` along `axis` of a `(size, 1)` (axis 0) or
+    `(1, size)` tile: the tile's q_idx or kv_idx shifted by scalars; `hi` clamps them
+    where they are used as values (`lane_indices`)."""
+
+    def __init__(self, start, hi, axis: int, size: int):
+        self.start, self.hi, self.axis, self.size = start, hi, axis, size
+        self.shape, self.ndim = ((size, 1) if axis == 0 else (1, size)), 2
+
+
+class _Negative:
+    """(Mosaic) `window < 0`: jnp's normalisation of a negative index, which a window
+    read drops (its padding clamps as a gather clamps)."""
+
+    def __init__(self, window: _Window):
+        self.window, self.shape, self.ndim = window, window.shape, 2
+
+
 def _materialize(x):
+    if isinstance(x, _Scalar):
+        return jnp.full(x.shape, x.x)
+    if isinstance(x, _Window):
+        return jnp.minimum(x.start + lax.broadcasted_iota(jnp.int32, x.shape, x.axis), x.hi)
+    if isinstance(x, _Negative):
+        return _materialize(x.window) < 0
     if isinstance(x, _Captured):
         return x.ref[...]
     if isinstance(x, _Uniform):
@@ -107,8 +147,10 @@ def _gather(eqn, operand: _Captured, parts, state):
 
 
 class _State:
-    def __init__(self, given):
-        self.given, self.reads = given, []
+    def __init__(self, given, forms=None, tpu=False):
+        # forms: per const the set of read forms seen (`tpu_forms`), when classifying;
+        # tpu: the Mosaic form (scalars and windows kept symbolic)
+        self.given, self.reads, self.forms, self.tpu = given, [], forms, tpu
 
 
 def _eval(jaxpr, consts, args, state):
@@ -134,12 +176,24 @@ def _eval_eqn(eqn, ins, state):
     if name in ("pjit", "jit", "closed_call") and "jaxpr" in eqn.params:
         inner = eqn.params["jaxpr"]
         return _eval(inner.jaxpr, inner.consts, ins, state)
+    constant = name == "broadcast_in_dim" and len(ins) == 1 and _scalar(ins[0]) is not None
+    if state.tpu and (constant or any(isinstance(x, (_Scalar, _Window, _Negative)) for x in ins)):
+        out = _eval_tpu(eqn, ins)
+        if out is not None:
+            return [out]
+    if name == "gather" and isinstance(ins[0], _Captured) and (state.forms is not None or isinstance(ins[0].ref, dict)):
+        idx = ins[1] if isinstance(ins[1], _Trailing) else _materialize(ins[1])
+        parts = idx.parts if isinstance(idx, _Trailing) else [idx[..., i] for i in range(idx.shape[-1])]
+        if _is_simple_gather(eqn, ins[0], parts):
+            return [_gather_tpu(ins[0], parts, state, eqn.outvars[0].aval)]
     if name == "broadcast_in_dim" and not isinstance(ins[0], (_Captured, _Trailing)):
         x = ins[0]
         shape, dims = tuple(eqn.params["shape"]), tuple(eqn.params["broadcast_dimensions"])
-        if shape == tuple(x.shape) + (1,) and dims == tuple(range(x.ndim)):
+        x_shape = tuple(jnp.shape(x)) if not isinstance(x, _Uniform) else x.shape  # a literal has no .shape
+        if shape == x_shape + (1,) and dims == tuple(range(len(x_shape))):
             return [_Trailing([x])]
-        if math.prod(x.shape) == 1 and len(shape) == x.ndim and dims == tuple(range(x.ndim)) and len(eqn.invars) == 1:
+        if math.prod(x_shape) == 1 and len(shape) == len(x_shape) and dims == tuple(range(len(x_shape))) \
+                and len(eqn.invars) == 1:
             return [_Uniform(x.x if isinstance(x, _Uniform) else x, shape)]
     if name == "concatenate" and all(isinstance(x, _Trailing) for x in ins) \
             and eqn.params["dimension"] == eqn.outvars[0].aval.ndim - 1:
@@ -154,15 +208,155 @@ def _eval_eqn(eqn, ins, state):
     return out if eqn.primitive.multiple_results else [out]
 
 
+_SCALAR_OPS = frozenset({"add", "sub", "mul", "div", "rem", "max", "min", "neg", "lt", "le", "gt", "ge", "eq", "ne",
+                         "and", "or", "not", "select_n", "convert_element_type", "clamp"})
+
+
+def _scalar(x):
+    """`x` as a 0-d value when it is one (`_Scalar`, a literal), else None."""
+    if isinstance(x, _Scalar):
+        return x.x
+    return x if not isinstance(x, (_Window, _Negative, _Captured, _Trailing, _Uniform)) and jnp.ndim(x) == 0 else None
+
+
+def _eval_tpu(eqn, ins):
+    """(Mosaic) one equation on scalars and windows, kept symbolic where it can be:
+    scalar arithmetic stays scalar, a window shifted by a scalar stays a window, jnp's
+    normalisation of a negative window index is dropped; else None (materialised)."""
+    name, out = eqn.primitive.name, eqn.outvars[0].aval
+    scalars = [_scalar(x) for x in ins]
+    if name == "broadcast_in_dim" and scalars[0] is not None and len(ins) == 1:
+        x = ins[0] if isinstance(ins[0], _Scalar) else _Scalar(scalars[0], ())
+        return _Trailing([x]) if tuple(out.shape) == x.shape + (1,) else _Scalar(x.x, out.shape)
+    if name in _SCALAR_OPS and all(x is not None for x in scalars):
+        return _Scalar(eqn.primitive.bind(*scalars, **eqn.primitive.get_bind_params(eqn.params)), out.shape)
+    window = next((x for x in ins if isinstance(x, _Window)), None)
+    if name == "broadcast_in_dim" and window is not None and tuple(out.shape) == window.shape + (1,):
+        return _Trailing([window])
+    if name in ("add", "sub") and window is not None and len(ins) == 2:
+        other = scalars[1] if ins[0] is window else scalars[0]
+        if other is not None and (name == "add" or ins[0] is window):
+            shift = other if name == "add" else -other
+            return _Window(window.start + shift, window.hi + shift, window.axis, window.size)
+    if name == "lt" and isinstance(ins[0], _Window) and scalars[1] is not None and _is_zero(scalars[1]):
+        return _Negative(ins[0])
+    if name == "select_n" and isinstance(ins[0], _Negative) and ins[1] is ins[0].window:
+        return ins[1]
+    return None
+
+
+def _is_zero(x) -> bool:
+    try:
+        return int(x) == 0
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        return False
+
+
+def _tpu_form(operand: _Captured, parts):
+    """How a read of `operand` at `parts` runs on a TPU: `"smem"` (every index a
+    scalar), `("col" | "row", const axis)` (one index a window of q_idx or kv_idx, the
+    others scalars), or None (a gather at computed indices)."""
+    windows = [a for a, p in enumerate(parts) if isinstance(p, _Window)]
+    if not all(isinstance(p, (_Scalar, _Window)) for p in parts) or len(windows) > 1:
+        return None
+    if not windows:
+        return "smem"
+    return ("col" if parts[windows[0]].axis == 0 else "row", windows[0])
+
+
+def _gather_tpu(operand: _Captured, parts, state, aval):
+    """(Mosaic) `operand[parts]`: read from SMEM or copied as a window (or recorded,
+    when classifying: `state.forms`)."""
+    form = _tpu_form(operand, parts)
+    if state.forms is not None:
+        state.forms[operand.index].add(form or "gather")
+        return jnp.zeros(aval.shape, aval.dtype)
+    clip = lambda p, dim: jnp.clip(p.x, 0, dim - 1).astype(jnp.int32)
+    lead = tuple(clip(p, dim) for a, (p, dim) in enumerate(zip(parts, operand.shape)) if form == "smem" or a != form[1])
+    if state.given is not None:
+        values = state.given[len(state.reads)]
+    elif form == "smem":
+        values = operand.ref[form][0][lead].astype(aval.dtype)
+    else:
+        values = _window(operand, form, lead, parts[form[1]]).astype(aval.dtype)
+    state.reads.append(Read(operand.index, lead, values, form))
+    return _Scalar(values, aval.shape) if form == "smem" else values
+
+
+def _window(operand: _Captured, form, lead: tuple, window: _Window):
+    """The `(size, 1)` or `(1, size)` window of a const's column or row form
+    (`tpu_form_array`: padded by `size` on both sides), copied into its VMEM buffer."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    ref, buf = operand.ref[form]
+    length = ref.shape[-2] if form[0] == "col" else ref.shape[-1]
+    start = jnp.clip(window.start + window.size, 0, length - window.size)  # beyond the padding: clamped
+    span = pl.ds(start, window.size)
+    pltpu.sync_copy(ref.at[(*lead, span, slice(None)) if form[0] == "col" else (*lead, slice(None), span)], buf)
+    return buf[...]
+
+
+def tpu_indices(b, h, q_first, q_last, bq: int, kv_first, kv_last, bk: int) -> tuple:
+    """(Mosaic) a tile's `(b, h, q_idx, kv_idx)` for `evaluate`: scalars `b`, `h`; the
+    windows `q_first + iota (bq, 1)` and `kv_first + iota (1, bk)`, clamped to
+    `q_last`, `kv_last` where used as values."""
+    return (_Scalar(b, (1, 1)), _Scalar(h, (1, 1)), _Window(q_first, q_last, 0, bq), _Window(kv_first, kv_last, 1, bk))
+
+
+def tpu_forms(mod, consts, bq: int, bk: int, score: bool) -> tuple:
+    """Per const of a mod traced for `(bq, bk)` tiles, the sorted forms in which a TPU
+    kernel reads it (`_tpu_form`; `"gather"` a read at computed indices, `"whole"` a
+    use of the whole array): found by evaluating the mod on abstract indices."""
+    if mod is None:
+        return ()
+    forms = [set() for _ in consts]
+
+    def run(b, h, q0, k0):
+        state = _State(None, forms, tpu=True)
+        captured = [_Captured(_Whole(forms[i], c), c.shape, i) for i, c in enumerate(consts)]
+        args = tpu_indices(b, h, q0, q0, bq, k0, k0, bk)
+        _eval(mod.jaxpr, captured, ([jnp.zeros((bq, bk), jnp.float32)] if score else []) + list(args), state)
+
+    jax.make_jaxpr(run)(*(jax.ShapeDtypeStruct((), jnp.int32),) * 4)
+    return tuple(tuple(sorted(f, key=str)) for f in forms)
+
+
+class _Whole:
+    """(Classifying) a const's ref whose whole-array load is recorded as `"whole"`."""
+
+    def __init__(self, forms: set, const):
+        self.forms, self.shape, self.dtype = forms, const.shape, const.dtype
+
+    def __getitem__(self, idx):
+        self.forms.add("whole")
+        return jnp.zeros(self.shape, self.dtype)
+
+
+def tpu_form_array(const, form, size: int):
+    """A const as the kernel's input for one form: 32-bit for SMEM; for a window form
+    the read axis moved last, edge-padded by `size` on both sides (a window past either
+    end reads the clamped entries, as a gather would) and given its unit axis."""
+    kind, axis = form
+    x = jnp.moveaxis(const, axis, -1)
+    x = x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(size, size)], mode="edge")
+    return x[..., None] if kind == "col" else x[..., None, :]
+
+
 def evaluate(mod, const_refs, args, given=None):
     """`(mod(*args), reads)`: the traced mod (`engine.Mod`) on the tile's `args`, its
     consts read from `const_refs` (the kernel's refs, in the mod's const order)
     where it indexes them, or taken from `given` (one array per read, in the order
     `reads` lists them)."""
-    consts = [_Captured(ref, ref.shape, i) for i, ref in enumerate(const_refs)]
-    state = _State(given)
+    consts = [_Captured(ref, _shape_of(ref), i) for i, ref in enumerate(const_refs)]
+    state = _State(given, tpu=any(isinstance(ref, dict) for ref in const_refs) or isinstance(args[-1], _Window))
     (out,) = _eval(mod.jaxpr, consts, list(args), state)
     return out, state.reads
+
+
+def _shape_of(ref) -> tuple:
+    """A const's shape: its ref's, or (Mosaic: refs by form) the one given with them."""
+    return ref["shape"] if isinstance(ref, dict) else ref.shape
 
 
 def scatter_add(grad_refs, reads, cotangents, atomic: bool):
@@ -171,6 +365,9 @@ def scatter_add(grad_refs, reads, cotangents, atomic: bool):
     for read, ct in zip(reads, cotangents):
         ref = grad_refs[read.const]
         if ref is None:
+            continue
+        if read.parts == "smem":  # Mosaic: the summed cotangent of a scalar read, into SMEM
+            ref[read.indices] = ref[read.indices] + jnp.sum(ct).astype(ref.dtype)
             continue
         indices, ct = _per_entry(read, ref.shape, jnp.broadcast_to(ct, read.values.shape).astype(ref.dtype))
         if atomic:

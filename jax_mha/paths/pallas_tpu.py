@@ -1,5 +1,11 @@
 """`implementation="pallas_tpu"`: the one attention description translated to splash
-attention (`jax.experimental.pallas.ops.tpu.splash_attention`, the kernel MaxText uses).
+attention (`jax.experimental.pallas.ops.tpu.splash_attention`, the kernel MaxText uses)
+for what splash takes (`SPLASH_TAKES`), and the library's own kernel (`flex`, its Mosaic
+form) for the composed calls splash cannot take: an additive bias, score_mod/mask_mod,
+`return_residual=True` (the log-sum-exp), a traced query offset, with 128 x 128 blocks
+(`flex.tpu_blocks`). Compiled for a TPU, a mod that reads an array it closes over at an
+index computed from its arguments (a relative-position table, `table[h, bucket(kv - q)]`:
+a gather) is refused by name (`limits`); off a TPU it runs in interpret mode.
 
 Translation: causal and local windows become splash's lazy `CausalMask` / `LocalMask`
 (no pattern: `FullMask`) with `offset` = the description's query offset (query i at key
@@ -27,13 +33,13 @@ runs in a `shard_map`, the flattened batch split over "data" and the query and k
 over "model" (a Mosaic kernel cannot be partitioned automatically); `limits` names a
 batch or a number of kv heads the axis does not divide.
 
+Splash itself takes no bias, mods, traced offset or `return_residual=True` (it computes
+the log-sum-exp, `save_residuals=True`, but its custom VJP then refuses to
+differentiate, and an lse whose cotangent reaches q and k needs the backward kernels fed
+`rowsum(o ∘ dO) - d lse`, which only its private functions take): those go to `flex`.
 Refused (the path's refusal, one line naming the part, unless the path's decode kernel,
-`pallas_tpu_decode`, takes a one-row call): an additive bias, a dense mask,
-score_mod/mask_mod, return_weights, dropout, a traced query offset (splash builds its
-mask tables at trace time), float64 and float16 inputs, and `return_residual=True`:
-splash computes the log-sum-exp (`save_residuals=True`), but its custom VJP then
-refuses to differentiate, and an lse whose cotangent reaches q and k needs the
-backward kernels fed `rowsum(o ∘ dO) - d lse`, which only its private functions take.
+`pallas_tpu_decode`, takes a one-row call): a dense mask, return_weights, dropout,
+float64 and float16 inputs, and on a TPU a mod's gather (above).
 
 Transformations: jit, vmap, grad, vjp (splash's custom_vjp, traced with 64-bit types
 off: `without_x64`). Forward mode raises
@@ -77,13 +83,20 @@ FUSED_BWD_MAX_KV_BLOCKS = 4
 
 
 def limits(vis: _masking.Visibility, call: _masking.Call) -> str | None:
-    """What splash cannot take beyond its parts (`PATH.takes`): float64 and float16
-    inputs, and a mesh whose axes do not divide the batch or kv heads; or None."""
+    """What the path cannot take beyond its parts (`PATH.takes`): float64 and float16
+    inputs, on a TPU a mod's read the library's kernel has no TPU form for
+    (`flex.tpu_refusal`), and a mesh whose axes do not divide the batch or kv heads; or None."""
     why = pallas_limits(NAME, call)
     if why is not None:
         return why
     if jnp.dtype(call.q.dtype) == jnp.float16:
         return f"{NAME} takes bfloat16 or float32 inputs (TPUs have no float16 units), got float16; {fallback()}"
+    if call.platform == "tpu" and _own_kernel(vis, call):
+        why = flex.tpu_refusal(vis)
+        if why is None and kernel_mesh(call.q) is not None:  # splash alone runs in a shard_map
+            why = "a call splash cannot take (the library's kernel runs in no shard_map yet) under a mesh"
+        if why is not None:
+            return f"{NAME} cannot take {why} on a TPU; {fallback()}"
     return mesh_refusal(NAME, call)
 
 
@@ -300,10 +313,11 @@ def _own_kernel(vis: _masking.Visibility, call: _masking.Call) -> bool:
 
 
 def _run(q, k, v, bad_kv, vis: _masking.Visibility, call: _masking.Call, *, scale: float, **options):
-    """Splash for what it takes, else the library's own kernel (interpret mode)."""
+    """Splash for what it takes, else the library's own kernel (its Mosaic form; in
+    interpret mode off a TPU)."""
     if not _own_kernel(vis, call):
         return _splash(q, k, v, bad_kv, vis, call, scale=scale, **options)
-    q_block, k_block = flex.blocks(vis.n, vis.s)
+    q_block, k_block = flex.tpu_blocks(vis.n)
     with jax.numpy_dtype_promotion("standard"):
         out, lse, touched = flex.attend(q, k, v, bad_kv, vis, scale=scale, q_block=q_block, k_block=k_block,
                                          interpret=call.platform == "cpu", backend="mosaic")
@@ -312,7 +326,7 @@ def _run(q, k, v, bad_kv, vis: _masking.Visibility, call: _masking.Call, *, scal
     return out, None, lse, empty, touched
 
 
-# Compiled for a TPU it runs splash alone (the library's kernel has no Mosaic lowering yet).
-PATH = Path("pallas_tpu", _run, platforms=("tpu",), interprets=True, limits=limits, takes=flex.TAKES,
-            compiled_takes=SPLASH_TAKES)
+# Compiled or interpreted, what the library's kernel takes (splash's parts among them:
+# SPLASH_TAKES <= flex.TAKES); a mod's gather is refused on a TPU by `limits`.
+PATH = Path("pallas_tpu", _run, platforms=("tpu",), interprets=True, limits=limits, takes=flex.TAKES)
 refusal = PATH.refusal
