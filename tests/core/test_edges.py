@@ -171,12 +171,15 @@ def _decode_step(dtype, **vis):
 
 
 def test_a_refusal_names_the_real_cause_of_a_jitted_decoding_step():
-    """Splash refuses the traced offset, the paged kernel the sinks: the step was the
-    paged kernel's, so the refusal names the sinks."""
-    call, vis = _decode_step("bfloat16", sinks=jnp.zeros((H,)))
+    """The paged kernel refuses sinks and splash a traced offset, but the library's
+    kernel takes both: a jitted step with sinks runs. With a dense mask, which no TPU
+    kernel takes, the refusal names the mask, not the traced offset."""
     box = []
-    jax.jit(lambda o: box.append(_dispatch.refusal("pallas_tpu", vis(o), call)) or o)(jnp.int32(3))
-    assert "sinks" in box[0] and "traced" not in box[0], box[0]
+    for extra in (dict(sinks=jnp.zeros((H,))), dict(mask=jnp.ones((1, 37), bool))):
+        call, vis = _decode_step("bfloat16", **extra)
+        jax.jit(lambda o: box.append(_dispatch.refusal("pallas_tpu", vis(o), call)) or o)(jnp.int32(3))
+    assert box[0] is None, box[0]
+    assert "mask" in box[1] and "traced" not in box[1], box[1]
 
 
 @pytest.mark.parametrize("dtype, kernel", [("float32", False), ("bfloat16", True)])

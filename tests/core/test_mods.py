@@ -201,32 +201,34 @@ def test_bad_mods_raise_one_line_errors_naming_them(rng, kw, error, match):
     assert "\n" not in str(info.value)
 
 
-REFUSED = [  # compiled for a TPU, "pallas_tpu" runs splash (the library's kernel takes them interpreted)
-    (dict(score_mod=lambda s, b, h, i, j: s), "score_mod"),
-    (dict(mask_mod=lambda b, h, i, j: j <= i), "mask_mod"),
-]
-
-
-@pytest.mark.parametrize("kw,name", REFUSED)
-def test_tpu_kernel_refuses_what_splash_cannot_express_by_name(rng, kw, name):
+def test_tpu_kernel_takes_mods_and_refuses_a_computed_index_table_by_name(rng):
+    """Compiled for a TPU, "pallas_tpu" runs the library's kernel for mods; a table read
+    at an index computed from the indices is a gather, which a TPU kernel cannot do."""
     from jax_mha import _dispatch, _masking
 
     q, k, v, _ = case_inputs(rng, "alibi")
-    vis = Visibility(q.shape[-2], k.shape[-2], **kw)
-    why = _dispatch.refusal("pallas_tpu", vis, _masking.Call(q, k, v, platform="tpu"))
-    assert why is not None and name in why and "cannot express" in why
+    tpu = _masking.Call(q, k, v, platform="tpu")
+    table = jnp.ones((q.shape[-3], 8), jnp.float32)
+    for kw in (dict(score_mod=lambda s, b, h, i, j: s), dict(mask_mod=lambda b, h, i, j: j <= i)):
+        assert _dispatch.refusal("pallas_tpu", Visibility(q.shape[-2], k.shape[-2], **kw), tpu) is None, kw
+    gather = Visibility(q.shape[-2], k.shape[-2], score_mod=lambda s, b, h, i, j: s + table[h, jnp.clip(j - i, 0, 7)])
+    why = _dispatch.refusal("pallas_tpu", gather, tpu)
+    assert why is not None and "a table indexed by a computed index" in why and "score_mod" in why, why
 
 
-def test_auto_keeps_mods_off_the_kernels(monkeypatch, rng):
-    """On a TPU "auto" reads splash's refusal: a mask function goes to the pure-JAX
-    path, a soft-cap (which splash takes) to the kernel."""
+def test_auto_takes_the_tpu_kernel_for_mods(monkeypatch, rng):
+    """On a TPU "auto" reads the kernel's refusal: a mask function and a soft cap go to
+    the kernel, a computed-index table to the pure-JAX path."""
     from jax_mha import _dispatch
     from jax_mha.functional import resolve_implementation
 
     q, k, v, _ = case_inputs(rng, "alibi")
     monkeypatch.setattr(_dispatch, "platform", lambda: "tpu")
-    assert resolve_implementation(q, k, v, Visibility(N, S, mask_mod=lambda b, h, i, j: j <= i)) == "xla"
+    assert resolve_implementation(q, k, v, Visibility(N, S, mask_mod=lambda b, h, i, j: j <= i)) == "pallas_tpu"
     assert resolve_implementation(q, k, v, Visibility(N, S, logits_soft_cap=3.0)) == "pallas_tpu"
+    table = jnp.ones((8,), jnp.float32)
+    gather = Visibility(N, S, score_mod=lambda s, b, h, i, j: s + table[jnp.clip(j - i, 0, 7)])
+    assert resolve_implementation(q, k, v, gather) == "xla"
 
 
 def test_pallas_tpu_translates_soft_cap(rng):
