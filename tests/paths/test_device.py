@@ -132,17 +132,23 @@ def test_auto_lowers_to_the_kernel_it_picks(platform, dtype, expected):
     assert any(c.startswith(TARGETS[expected]) for c in calls), f"'auto' lowered with custom calls {calls}"
 
 
-@pytest.mark.parametrize("feature", ["alibi", "bias", "documents", "lengths_window", "prefix_lm", "segments", "sinks",
-                                     "soft_cap", "table", "window"])
-def test_library_kernel_composes_on_a_gpu(feature):
-    """The library's kernel compiled for the GPU, each composed feature of
+FEATURES = ["alibi", "bias", "documents", "lengths_window", "prefix_lm", "segments", "sinks", "soft_cap", "table",
+            "window"]
+# A TPU kernel cannot gather: the relative-position table is refused there by name (test_flex_tpu).
+COMPOSED = [("gpu", "pallas_gpu", f) for f in FEATURES] + [("tpu", "pallas_tpu", f) for f in FEATURES if f != "table"]
+
+
+@pytest.mark.parametrize("platform, path, feature", COMPOSED, ids=["-".join(c) for c in COMPOSED])
+def test_library_kernel_composes_on_its_device(platform, path, feature):
+    """The library's kernel compiled for its device (Triton on a GPU, Mosaic on a TPU,
+    splash where it takes the whole call), each composed feature of
     tests/paths/test_flex.py (values and gradients of q, k, v and the captured floating
     values, float32 inputs) against float64, relative to the largest reference value."""
-    if PLATFORM != "gpu":
-        pytest.skip(f"the library's GPU kernel compiles for a GPU; this backend is {jax.default_backend()}")
+    if PLATFORM != platform:
+        pytest.skip(f"the {path} kernel compiles for a {platform.upper()}; this backend is {jax.default_backend()}")
     from test_flex import compare_feature
 
-    got, want = compare_feature("pallas_gpu", feature, reference_device=jax.devices("cpu")[0])
+    got, want = compare_feature(path, feature, reference_device=jax.devices("cpu")[0])
     for got_x, ref_x in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         got_x, ref_x = np.asarray(got_x, np.float64), np.asarray(ref_x)
         finite = np.isfinite(ref_x)
