@@ -85,8 +85,6 @@ class Path:
         `empty` and `touched` bool `(B…, H, N)`: rows that see no key, rows that may
         see a key in `bad_kv`.
       takes: the `PARTS` it expresses; any other part present refuses the call.
-      compiled_takes: the parts it expresses compiled for its platforms, when fewer
-        than interpreted (a kernel that runs another kernel there), or None: `takes`.
       platforms: where it runs compiled (`"gpu"`, `"tpu"`); empty for the pure-JAX
         paths, which run everywhere and are never staged per platform.
       interprets: a kernel that also runs on a CPU, in Pallas interpret mode.
@@ -106,7 +104,6 @@ class Path:
     name: str
     run: Callable
     takes: frozenset = EVERY_PART
-    compiled_takes: frozenset | None = None
     platforms: tuple = ()
     interprets: bool = False
     limits: Callable | None = None
@@ -147,9 +144,8 @@ class Path:
             where = " or ".join(p.upper() for p in self.platforms)
             head = f"runs on a {where} (or interpreted on a CPU)" if self.interprets else f"needs a {where}"
             return None, f"{self.label} {head}, this call runs on {call.platform!r}; {fallback()}"
-        takes = self.takes if self.compiled_takes is None or call.platform not in self.platforms else self.compiled_takes
         for part in parts(vis, call):
-            if part not in takes:
+            if part not in self.takes:
                 why = f"{self.label} cannot express {PARTS[part].describe(vis)}; {takers(part, call.platform, self.name)}"
                 return part, why
         return None, None if self.limits is None else self.limits(vis, call)
