@@ -643,7 +643,7 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def attend(q, k, v, bad_kv, vis: _masking.Visibility, *, scale: float, q_block: int, k_block: int,
-           interpret: bool, backend: str):
+           interpret: bool | str, backend: str):
     """The kernel on q `(B…, H, N, D)`, k `(B…, K, S, D)`, v `(B…, K, S, Dv)` (finite)
     under `vis` (its sinks excepted: merged by the caller), `bad_kv` bool `(B…, K, S)`;
     `interpret` False (compiled), True (Pallas' interpret mode, the whole-array form) or
