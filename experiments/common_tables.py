@@ -397,40 +397,14 @@ def best_rates(data: dict) -> dict[int, tuple[float, bool]]:
     return out
 
 
-def lr_grid_table(data: dict) -> str:
-    """Rows: head counts; columns: rates, each mean ± sample std over seeds of the
-    selection metric (the best of each row in bold); then the chosen rate and whether
-    the grid brackets it."""
+def _grid_rows(data: dict, key: str) -> tuple[list[float], dict, list[list]]:
+    """`(rates, {(h, lr): values}, rows)` of an `lr_grid` file: per head count, its
+    cells' `key` values as 'mean ± sample std', the rate dev chose in bold, '–' where
+    the grid has no cell."""
     rates = sorted({c["lr"] for c in data["cells"]})
-    cells = {(c["heads"], c["lr"]): c["values"] for c in data["cells"]}
-    best = best_rates(data)
+    cells = {(c["heads"], c["lr"]): c.get(key) for c in data["cells"]}
     rows = []
-    for h, (chosen, bracketed) in best.items():
-        row = [h]
-        for lr in rates:
-            values = cells.get((h, lr))
-            if values is None:
-                row.append(DASH)
-                continue
-            iv = stats.t_interval(values)
-            text = f"{num(iv.mean, 3)} ± {num(iv.std, 3) if iv.n > 1 else DASH}"
-            row.append(f"**{text}**" if lr == chosen else text)
-        rows.append(row + [rate(chosen), "yes" if bracketed else "no (edge of the grid)"])
-    header = ["heads", *(f"lr {rate(lr)}" for lr in rates), "chosen", "bracketed"]
-    return table(header, ["r"] * len(header), rows)
-
-
-def lr_grid_test(data: dict) -> str:
-    """The same grid scored on the test split (`test` per cell, read by no choice): mean
-    ± sample std per (h, rate), the dev-chosen rate in bold, and per rate the head
-    counts from best to worst, so the ranking's dependence on the rate shows."""
-    rates = sorted({c["lr"] for c in data["cells"]})
-    cells = {(c["heads"], c["lr"]): c.get("test") for c in data["cells"]}
-    if not any(cells.values()):
-        raise ValueError("this lr_grid file has no test values (written before lm_sizing scored the test split)")
-    best = best_rates(data)
-    rows = []
-    for h, (chosen, _) in best.items():
+    for h, (chosen, _) in best_rates(data).items():
         row = [h]
         for lr in rates:
             values = cells.get((h, lr))
@@ -441,6 +415,28 @@ def lr_grid_test(data: dict) -> str:
             text = f"{num(iv.mean, 3)} ± {num(iv.std, 3) if iv.n > 1 else DASH}"
             row.append(f"**{text}**" if lr == chosen else text)
         rows.append(row)
+    return rates, cells, rows
+
+
+def lr_grid_table(data: dict) -> str:
+    """Rows: head counts; columns: rates, each mean ± sample std over seeds of the
+    selection metric (the best of each row in bold); then the chosen rate and whether
+    the grid brackets it."""
+    rates, _, rows = _grid_rows(data, "values")
+    rows = [row + [rate(chosen), "yes" if bracketed else "no (edge of the grid)"]
+            for row, (chosen, bracketed) in zip(rows, best_rates(data).values())]
+    header = ["heads", *(f"lr {rate(lr)}" for lr in rates), "chosen", "bracketed"]
+    return table(header, ["r"] * len(header), rows)
+
+
+def lr_grid_test(data: dict) -> str:
+    """The same grid scored on the test split (`test` per cell, read by no choice): mean
+    ± sample std per (h, rate), the dev-chosen rate in bold, and per rate the head
+    counts from best to worst, so the ranking's dependence on the rate shows."""
+    if not any(c.get("test") for c in data["cells"]):
+        raise ValueError("this lr_grid file has no test values (written before lm_sizing scored the test split)")
+    rates, cells, rows = _grid_rows(data, "test")
+    best = best_rates(data)
     ranking = ["best first"]
     for lr in rates:
         means = {h: float(np.mean(cells[(h, lr)])) for h in best if cells.get((h, lr))}
