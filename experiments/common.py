@@ -340,7 +340,7 @@ PRESETS: dict[str, Callable[[], AblationConfig]] = {"quick": quick, "full": full
 
 # The quick preset's peak learning rate per head count: the best of the dev-split grid
 # in docs/results/data/lm_quick_lr_grid.json (tests/studies/test_report.py checks they agree).
-QUICK_RATES: tuple[tuple[int, float], ...] = ((1, 5e-3), (2, 2e-2), (4, 2e-2), (8, 2e-2), (16, 1e-2))
+QUICK_RATES: tuple[tuple[int, float], ...] = ((1, 1e-2), (2, 2e-2), (4, 1e-2), (8, 2e-2), (16, 2e-2))
 # The standard preset's, from its own grid (docs/results/data/lm_standard_lr_grid.json).
 STANDARD_RATES: tuple[tuple[int, float], ...] = ((1, 5e-3), (2, 5e-3), (4, 5e-3), (8, 1e-2), (16, 1e-2))
 
