@@ -354,9 +354,11 @@ def plot(results: dict, out: Path) -> None:
 
     cfg = results["config"]
     t, m = cfg["task"], cfg["model"]
-    setting = (f"{t['num_pairs']} pairs, two-token keys; d_model={m['d_model']}, {m['num_layers']} layers; "
-               f"{cfg['num_seeds']} seeds")
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    rates = sorted({h["learning_rate"] for h in results["heads"].values()})
+    setting = (f"{t['num_pairs']} pairs, two-token keys; d_model={m['d_model']}, {m['num_layers']} layers\n"
+               f"{cfg['num_seeds']} seeds per h, peak lr {', '.join(f'{r:g}' for r in rates)}\n"
+               f"{results.get('metadata', {}).get('cpu', 'machine not recorded')}")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     for i, key in enumerate(sorted(results["heads"], key=int)):
         for j, run in enumerate(results["heads"][key]["runs"]):
             axes[0].plot(run["eval_step"], run["eval_loss"], color=f"C{i}", alpha=0.8,
@@ -370,14 +372,15 @@ def plot(results: dict, out: Path) -> None:
         axes[1].axhline(results["reference"]["value_mode"], color="grey", ls="--", label="most common value")
     axes[1].set(xlabel="optimizer step", ylabel="held-out recall accuracy", ylim=(0, 1.02),
                 title=f"Held-out recall accuracy (one line per seed)\n{setting}")
+    axes[0].legend(loc="lower left")
+    axes[1].legend(loc="upper left", ncol=3)  # across the top, where only a solving seed's curve runs
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend()
     save_figure(fig, out / "recall_curves.png")
 
     s = summarize(results)
     heads = np.asarray(sorted(s))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for ax, key, label in ((axes[0], "auc", "area under held-out loss (nats, lower is better)"),
                            (axes[1], "accuracy", "final held-out recall accuracy")):
         iv = [s[h][key] for h in heads]
