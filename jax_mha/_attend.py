@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mha import _masking
-from jax_mha._validate import check_pairwise, describe
+from jax_mha._validate import DESCRIPTION_KEYWORDS, check_pairwise, describe
 from jax_mha.functional import attention, attention_from_description, rotary_embedding
 
 
@@ -225,14 +225,6 @@ def decode_pattern(offset, n: int, length: int, local_window_size) -> jax.Array:
     return _masking.dense_allowed(vis, 2)
 
 
-def shift_mods(score_mod, mask_mod, start):
-    """The mods with `q_idx` counted from `start` (for a caller's own `attention_fn`
-    when decoding, which sees the new tokens as rows 0…n-1)."""
-    shifted_score = None if score_mod is None else (lambda s, b, h, i, j: score_mod(s, b, h, i + start, j))
-    shifted_mask = None if mask_mod is None else (lambda b, h, i, j: mask_mod(b, h, i + start, j))
-    return shifted_score, shifted_mask
-
-
 def prepend_extra_keys(k, v, mask, bias, kv_lengths, bias_kv, add_zero_attn: bool):
     """PyTorch's `add_bias_kv` (a learned key/value) and `add_zero_attn` (a zero
     key/value) as extra keys that every query sees.
@@ -325,8 +317,9 @@ def _call_core(q, k, v, *, attention_fn, offset, start, need_weights, keywords, 
         vis = describe(q, k, v, **keywords, **mods, q_offset=offset, q_start=start)
         return attention_from_description(q, k, v, vis, return_weights=need_weights, **core_options)
     pattern = decode_pattern(offset, q.shape[-2], k.shape[-2], keywords["local_window_size"])
-    score_mod, mask_mod = shift_mods(mods.get("score_mod"), mods.get("mask_mod"), start)
-    mods = dict(mods, **{name: fn for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)) if fn})
+    # A caller's own attention_fn sees the new tokens as rows 0…n-1: the mods count q_idx from `start`.
+    mods = dict(mods, **{name: _masking.shift_indices(mods[name], query=start) for name in _masking.MODS
+                         if name in mods})
     keywords = dict(keywords, mask=_and(keywords["mask"], pattern), is_causal=False, local_window_size=None)
     return attention_fn(q, k, v, **keywords, return_weights=need_weights, **core_options, **mods)
 
@@ -334,8 +327,7 @@ def _call_core(q, k, v, *, attention_fn, offset, start, need_weights, keywords, 
 def attend(
     q, k, v, *, mask=None, bias=None, is_causal=False, local_window_size=None, q_lengths=None,
     kv_lengths=None, segment_ids=None, positions=None, rope_base=None, cache: Cache | None = None, bias_kv=None,
-    add_zero_attn=False, head_mask=None, need_weights=False, attention_fn=None, score_mod=None, mask_mod=None,
-    logits_soft_cap=None, sinks=None, **core_options,
+    add_zero_attn=False, head_mask=None, need_weights=False, attention_fn=None, **options,
 ):
     """Everything between the projections and the output projection.
 
@@ -358,10 +350,12 @@ def attend(
       attention_fn: called instead of `jax_mha.attention` (None: that one), as
         `attention_fn(q, k, v, mask=, bias=, is_causal=, local_window_size=,
         q_lengths=, kv_lengths=, q_segment_ids=, kv_segment_ids=, return_weights=,
-        **core_options)` and the three below when given.
-      score_mod, mask_mod, logits_soft_cap, sinks: passed on to `attention_fn` only
-        when not None (so an `attention_fn` without them keeps working).
-      **core_options: dropout_rate, dropout_rng, deterministic, implementation.
+        **core_options)` and the description's other keywords when not None.
+      **options: `attention`'s other keywords: the core options (dropout_rate,
+        dropout_rng, deterministic, implementation) and the rest of the description
+        (`_validate.DESCRIPTION_KEYWORDS`: the mods, the soft cap, the sink logits),
+        these passed on only when not None (so an `attention_fn` without them keeps
+        working).
 
     Returns:
       `(out (B…, H, N, Dv), weights (B…, H, N, S + extra keys) or None, new cache
@@ -388,8 +382,9 @@ def attend(
     k, v, mask, bias, kv_lengths, extra = prepend_extra_keys(k, v, mask, bias, kv_lengths, bias_kv, add_zero_attn)
     if start is not None:
         offset = start + extra  # the extra keys go first, before position 0
-    mods = {name: x for name, x in (("score_mod", score_mod), ("mask_mod", mask_mod),
-                                     ("logits_soft_cap", logits_soft_cap), ("sinks", sinks)) if x is not None}
+    mods = {name: options.pop(name) for name in DESCRIPTION_KEYWORDS if name in options}
+    mods = {name: x for name, x in mods.items() if x is not None}
+    core_options = options
     keywords = dict(mask=mask, bias=bias, is_causal=is_causal, local_window_size=local_window_size,
                     q_lengths=q_lengths, kv_lengths=kv_lengths, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
     result = _call_core(q, k, v, attention_fn=attention_fn, offset=offset, start=start, need_weights=need_weights,

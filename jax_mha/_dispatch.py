@@ -26,8 +26,8 @@ traced once per shapes and configuration. jax lowers each kept branch for every
 platform of an export, and a compiled Pallas kernel has no lowering off its platform:
 export one platform at a time.
 
-Every path then runs between the same steps of `jax_mha._softmax`: `sanitize`
-(non-finite entries and sinks replaced, the rows that see them marked) and `finish`
+Every path then runs between the same steps of `jax_mha._softmax`: `sanitize` and
+`sanitize_description` (non-finite entries replaced, the rows that see them marked) and `finish`
 (those rows NaN, the empty-row policy, zeros past `q_lengths`), so every path isolates
 NaNs the same way.
 """
@@ -253,35 +253,28 @@ def run(path, q, k, v, vis, call, *, scale, dropout_rate=0.0, dropout_rng=None, 
     """
     dtype = q.dtype
     batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3])
-    sinks, bad_heads = _softmax.sanitize_sinks(vis.sinks)
+    vis, bad_heads = _softmax.sanitize_description(vis)
     if q.shape[-2] == 0 or k.shape[-2] == 0 or 0 in batch:
-        return _result(call, *_without_keys(q, k, v, vis, call, sinks, bad_heads, dtype))
+        return _result(call, *_without_keys(q, k, v, vis, call, bad_heads, dtype))
     q, k, v, bad_q, bad_kv = _softmax.sanitize(q, k, v)
-    if sinks is not None:
-        vis = dataclasses.replace(vis, sinks=sinks)
     out, weights, lse, empty, touched = _run_path(path, q, k, v, bad_kv, vis, call, scale=scale,
                                                   dropout_rate=dropout_rate, dropout_rng=dropout_rng, blocks=blocks)
     poisoned = _softmax.poisoned_rows(touched, bad_q, empty, bad_heads)
-    out, weights = _softmax.finish(out, weights, empty, poisoned, v, bad_kv, vis.q_lengths, empty_rows,
-                                   has_sinks=sinks is not None)
+    out, weights = _softmax.finish(out, weights, empty, poisoned, v, bad_kv, vis, empty_rows)
     if lse is not None:
         lse = _softmax.finish_lse(lse, poisoned, vis.q_lengths, q.shape[-2])
     return _result(call, out.astype(dtype), None if weights is None else weights.astype(dtype), lse)
 
 
-def _without_keys(q, k, v, vis, call, sinks, bad_heads, dtype):
+def _without_keys(q, k, v, vis, call, bad_heads, dtype):
     """`(out, weights, lse)` for N == 0, S == 0 or an empty batch: zeros under either
-    empty-row policy; with sinks each row is its sink alone (lse `sinks[h]`), NaN
-    where the sink is not finite."""
+    empty-row policy; each row closed as the description says (`_softmax.close_lse`:
+    with a sink, the sink alone), NaN where that is not finite."""
     out, weights, lse = _softmax.empty_attention(q, k, v, call.return_weights, dtype)
-    if sinks is None:
-        return out, weights, lse
     rows = jnp.zeros(lse.shape, bool)
-    lse = _softmax.add_sink(lse, sinks)  # (B…, H, N): the sink's logit
     poisoned = _softmax.poisoned_rows(rows, rows, rows, bad_heads)
-    out, weights = _softmax.finish(out, weights, rows, poisoned, v, jnp.zeros(k.shape[:-1], bool), vis.q_lengths,
-                                   "zero")
-    return out, weights, _softmax.finish_lse(lse, poisoned, vis.q_lengths, q.shape[-2])
+    out, weights = _softmax.finish(out, weights, rows, poisoned, v, jnp.zeros(k.shape[:-1], bool), vis, "zero")
+    return out, weights, _softmax.finish_lse(_softmax.close_lse(lse, vis), poisoned, vis.q_lengths, q.shape[-2])
 
 
 def _result(call, out, weights, lse):

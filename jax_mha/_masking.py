@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -193,10 +193,39 @@ class Visibility(Pattern):
         return self.score_mod is not None or Pattern.has_mods.fget(self)
 
     @property
+    def changes_scores(self) -> bool:
+        """True when `score_logits` changes a logit (a `score_mod` or the soft cap)."""
+        return self.score_mod is not None or self.logits_soft_cap is not None
+
+    @property
     def every_row_sees_a_key(self) -> bool:
         """`Pattern.every_row_sees_a_key`, and no `score_mod` (which may mask a key by
         returning -inf)."""
         return self.score_mod is None and Pattern.every_row_sees_a_key.fget(self)
+
+
+def static_part(vis: Visibility) -> Visibility:
+    """The description without its arrays and mods: hashable, for a plan that is a
+    static argument (causality, window, the soft cap, the shapes); a plan keeps the
+    arrays, and the mods traced for its blocks, beside it."""
+    return dataclasses.replace(jax.tree.map(lambda x: None, vis), score_mod=None, mask_mod=None)
+
+
+# The description's functions of the indices (FlexAttention's), each called with
+# `(…, batch, head, q_idx, kv_idx)`: the indices last.
+MODS = ("score_mod", "mask_mod")
+# Its arrays with one entry per query head `(H,)`: split with the heads.
+PER_HEAD = ("sinks",)
+
+
+def shift_indices(fn, batch=0, head=0, query=0):
+    """`fn` (one of `MODS`) called with its batch, head and query indices offset by
+    `batch`, `head`, `query` (ints or traced int32 scalars): a mod seen from a part of
+    the problem (a device's heads, a decoding step's rows) with the whole problem's
+    indices. None stays None."""
+    if fn is None:
+        return None
+    return lambda *args: fn(*args[:-4], args[-4] + batch, args[-3] + head, args[-2] + query, args[-1])
 
 
 def positional(vis: Pattern, rows: jax.Array, cols: jax.Array) -> jax.Array | None:
@@ -321,6 +350,63 @@ class Call(NamedTuple):
     empty_rows: str = "zero"
     platform: str = "cpu"
     return_residual: bool = False
+
+
+def _traced(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+class Part(NamedTuple):
+    """One optional part of a call: `name` in a refusal's "X needs ..." clause,
+    `describe(vis)` the phrase naming it in "cannot express ...", `present(vis, call)`,
+    and its `job`: `"pattern"` (who may attend), `"logits"` (what changes the logits)
+    or `"call"` (what the call asks for)."""
+
+    name: str
+    describe: Callable
+    present: Callable
+    job: str
+
+
+def _part(name: str, phrase: str, present: Callable, job: str) -> Part:
+    return Part(name, lambda vis: phrase, present, job)
+
+
+# Their order is the order in which a refusal looks for the first part a path does not take.
+PARTS = {
+    "return_weights": _part("return_weights=True", "return_weights=True (the (B…, H, N, S) weights)",
+                            lambda vis, call: call.return_weights, "call"),
+    "dropout": _part("dropout", "dropout on the weights", lambda vis, call: call.dropout, "call"),
+    "bias": _part("an additive bias", "an additive bias", lambda vis, call: vis.bias is not None, "logits"),
+    "mask": _part("a dense mask", "a dense mask", lambda vis, call: vis.mask is not None, "pattern"),
+    "score_mod": _part("score_mod", "score_mod", lambda vis, call: vis.score_mod is not None, "logits"),
+    "mask_mod": _part("mask_mod", "mask_mod", lambda vis, call: vis.mask_mod is not None, "pattern"),
+    "logits_soft_cap": Part("logits_soft_cap", lambda vis: f"logits_soft_cap={vis.logits_soft_cap!r}",
+                            lambda vis, call: vis.logits_soft_cap is not None, "logits"),
+    "sinks": _part("sinks", "sinks (attention sinks)", lambda vis, call: vis.sinks is not None, "logits"),
+    "window": Part("a local window", lambda vis: f"a local window {tuple(vis.window)}",
+                   lambda vis, call: vis.window is not None, "pattern"),
+    "kv_lengths": _part("kv_lengths", "kv_lengths", lambda vis, call: vis.kv_lengths is not None, "pattern"),
+    "q_lengths": _part("q_lengths", "q_lengths", lambda vis, call: vis.q_lengths is not None, "pattern"),
+    "segment_ids": _part("segment ids", "segment ids", lambda vis, call: vis.segmented, "pattern"),
+    "query_offset": _part("a query offset", "a query offset (decoding from a cache index)",
+                          lambda vis, call: vis.q_offset is not None or vis.q_start is not None, "pattern"),
+    "traced_offset": _part("a traced query offset",
+                           "a traced query offset (decoding under jit: the pattern is not static)",
+                           lambda vis, call: vis.q_offset is not None and _traced(vis.q_offset), "pattern"),
+    "return_residual": _part("return_residual=True", "return_residual=True (the log-sum-exp)",
+                             lambda vis, call: call.return_residual, "call"),
+}
+EVERY_PART = frozenset(PARTS)
+# Who may attend, whatever the positions: what a dense (N, S) mask can hold (the
+# pattern's parts but the query offsets, which move it).
+MASK_PARTS = frozenset(name for name, part in PARTS.items() if part.job == "pattern") - {"query_offset",
+                                                                                           "traced_offset"}
+
+
+def parts(vis: Visibility, call: Call) -> tuple[str, ...]:
+    """The parts this call has, in `PARTS`' order."""
+    return tuple(name for name, part in PARTS.items() if part.present(vis, call))
 
 
 def dense_heads(vis: Pattern, rank: int, batch: tuple | None = None, heads: int | None = None):
@@ -459,5 +545,5 @@ def num_blocks(length: int, block: int) -> int:
 __all__ = [
     "Visibility", "Window", "block_allowed", "canonical_window", "compute_dtype", "dense_allowed", "fits",
     "key_block_range", "key_range", "lengths_at_rank", "num_blocks", "positional", "segments_at_rank",
-    "dense_heads", "score_logits", "soft_cap", "dense_rows", "Call",
+    "MODS", "PER_HEAD", "dense_heads", "score_logits", "shift_indices", "soft_cap", "static_part", "dense_rows", "Call", "EVERY_PART", "MASK_PARTS", "PARTS", "Part", "parts",
 ]

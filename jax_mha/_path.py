@@ -1,12 +1,13 @@
 """One attention path as an object: its name, where it runs, what it takes, and its
 `refusal`, derived from what it takes.
 
-A call is read as a set of *parts* (`parts`): the optional pieces of the description
-(`_masking.Visibility`) and of the call (`_masking.Call`) that a path may or may not
-express, in one fixed order. A path declares the parts it `takes`; its refusal names
+A call is read as a set of *parts* (`jax_mha._masking.parts`): the optional pieces of
+the description and of the call that a path may or may not express, declared beside
+them (`_masking.PARTS`). A path declares the parts it `takes`; its refusal names
 the first part present that it does not take, then asks the path's own `limits`
 (dtype, head dim, device, layout: what no part says). So adding a part is one entry in
-`PARTS` and one word in the `takes` of each path that expresses it.
+`PARTS` and, in the paths that express it, one word in their `takes` (or none, for a
+path that takes every part but a few).
 
 The registry of every path, in `"auto"`'s order, is `jax_mha._dispatch.REGISTRY`.
 """
@@ -14,61 +15,10 @@ The registry of every path, in `"auto"`'s order, is `jax_mha._dispatch.REGISTRY`
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
-
-import jax
+from typing import Callable
 
 from jax_mha import _masking
-
-
-def _traced(x) -> bool:
-    return isinstance(x, jax.core.Tracer)
-
-
-class Part(NamedTuple):
-    """One optional part of a call: `name` in a refusal's "X needs ..." clause,
-    `describe(vis)` the phrase naming it in "cannot express ...", `present(vis, call)`."""
-
-    name: str
-    describe: Callable
-    present: Callable
-
-
-def _part(name: str, phrase: str, present: Callable) -> Part:
-    return Part(name, lambda vis: phrase, present)
-
-
-# Their order is the order in which a refusal looks for the first part a path does not take.
-PARTS = {
-    "return_weights": _part("return_weights=True", "return_weights=True (the (B…, H, N, S) weights)",
-                            lambda vis, call: call.return_weights),
-    "dropout": _part("dropout", "dropout on the weights", lambda vis, call: call.dropout),
-    "bias": _part("an additive bias", "an additive bias", lambda vis, call: vis.bias is not None),
-    "mask": _part("a dense mask", "a dense mask", lambda vis, call: vis.mask is not None),
-    "score_mod": _part("score_mod", "score_mod", lambda vis, call: vis.score_mod is not None),
-    "mask_mod": _part("mask_mod", "mask_mod", lambda vis, call: vis.mask_mod is not None),
-    "logits_soft_cap": Part("logits_soft_cap", lambda vis: f"logits_soft_cap={vis.logits_soft_cap!r}",
-                            lambda vis, call: vis.logits_soft_cap is not None),
-    "sinks": _part("sinks", "sinks (attention sinks)", lambda vis, call: vis.sinks is not None),
-    "window": Part("a local window", lambda vis: f"a local window {tuple(vis.window)}",
-                   lambda vis, call: vis.window is not None),
-    "kv_lengths": _part("kv_lengths", "kv_lengths", lambda vis, call: vis.kv_lengths is not None),
-    "q_lengths": _part("q_lengths", "q_lengths", lambda vis, call: vis.q_lengths is not None),
-    "segment_ids": _part("segment ids", "segment ids", lambda vis, call: vis.segmented),
-    "query_offset": _part("a query offset", "a query offset (decoding from a cache index)",
-                          lambda vis, call: vis.q_offset is not None or vis.q_start is not None),
-    "traced_offset": _part("a traced query offset",
-                           "a traced query offset (decoding under jit: the pattern is not static)",
-                           lambda vis, call: vis.q_offset is not None and _traced(vis.q_offset)),
-    "return_residual": _part("return_residual=True", "return_residual=True (the log-sum-exp)",
-                             lambda vis, call: call.return_residual),
-}
-EVERY_PART = frozenset(PARTS)
-
-
-def parts(vis: _masking.Visibility, call: _masking.Call) -> tuple[str, ...]:
-    """The parts this call has, in `PARTS`' order."""
-    return tuple(name for name, part in PARTS.items() if part.present(vis, call))
+from jax_mha._masking import EVERY_PART, PARTS, parts
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

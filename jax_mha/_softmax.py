@@ -6,15 +6,19 @@
   with the output and the rows that see a bad key) by the blockwise engine (`engine`)
   and ring attention (`ring`); `output_delta` and `logits_grad`, its backward (the
   engine, the kernel and ring).
-- `with_sinks` / `add_sink`: attention over the real keys merged with each head's sink,
-  a key of logit `sinks[h]` and value zero (`merge_attentions` with a zero part).
-- `sanitize` before any path and `finish` / `finish_lse` after it: non-finite inputs
+- `close` / `close_lse`: attention over the real keys merged with what the description
+  adds to every row's denominator, each head's sink: a key of logit `sinks[h]` and value
+  zero (`merge_attentions` with a zero part). Every path calls it, or its kernel does
+  the same itself.
+- `sanitize` / `sanitize_description` before any path and `finish` / `finish_lse` after it: non-finite inputs
   replaced and the rows that see them marked, then those rows NaN, the empty-row
   policy, zeros past `q_lengths`. A non-finite sink is a non-finite input of every row
   of its head: those rows are NaN on every path.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -82,23 +86,41 @@ def logits_grad(p, dp, delta):
     return jnp.where(p > 0, p * (dp - delta), 0.0)
 
 
-def with_sinks(out, lse, sinks):
-    """Attention over the real keys `(out (B…, H, N, Dv), lse (B…, H, N))` merged with
-    each head's sink (`sinks (H,)`, finite): out shrinks by the sink's share, lse gains
-    its term. Differentiable in all three; `sinks` None returns the inputs. A row with
-    no visible key (lse -inf) becomes the sink alone: out 0, lse `sinks[h]`."""
-    if sinks is None:
-        return out, lse
-    merged = add_sink(lse, sinks)
-    return out * jnp.exp(lse - merged)[..., None].astype(out.dtype), merged
+def close(out, lse, vis, weights=None):
+    """Attention over the real keys closed with what the description adds to every
+    row's denominator: each head's sink (`vis.sinks (H,)`, finite after
+    `sanitize_description`), a key of that logit and value zero. out (and the weights)
+    shrink by the sink's share, lse gains its term. Differentiable in all of them.
+    A row with no visible key (lse -inf) becomes the sink alone: out 0, lse `sinks[h]`.
+
+    Args:
+      out: `(B…, H, N, Dv)`; lse: `(B…, H, N)`, over the real keys; vis: the
+        description; weights: `(B…, H, N, S)` or None.
+
+    Returns:
+      `(out, lse)`, or `(out, weights, lse)` when weights are given; the inputs when
+      the description has no sink.
+    """
+    closed = close_lse(lse, vis)
+    if closes_rows(vis):
+        share = jnp.exp(lse - closed)[..., None]  # the real keys' part of each row
+        out = out * share.astype(out.dtype)
+        weights = None if weights is None else weights * share.astype(weights.dtype)
+    return (out, closed) if weights is None else (out, weights, closed)
 
 
-def add_sink(lse, sinks):
-    """Each row's log-sum-exp `(B…, H, N)` with its head's sink logit (`sinks (H,)`, or
-    None) added to the denominator: `logaddexp(lse, sinks[h])`."""
-    if sinks is None:
+def closes_rows(vis) -> bool:
+    """Whether `close` changes anything: the description adds a term to every row's
+    denominator (a sink)."""
+    return vis.sinks is not None
+
+
+def close_lse(lse, vis):
+    """Each row's log-sum-exp `(B…, H, N)` with its head's sink logit added to the
+    denominator (`logaddexp(lse, sinks[h])`); `lse` itself without a sink."""
+    if vis.sinks is None:
         return lse
-    return jnp.logaddexp(lse, jax.lax.broadcast_to_rank(sinks.astype(lse.dtype)[:, None], lse.ndim))
+    return jnp.logaddexp(lse, jax.lax.broadcast_to_rank(vis.sinks.astype(lse.dtype)[:, None], lse.ndim))
 
 
 def sanitize(q, k, v):
@@ -117,14 +139,14 @@ def sanitize(q, k, v):
     return (*clean, bad_q, bad_kv)
 
 
-def sanitize_sinks(sinks):
-    """`(sinks, bad_heads)`: non-finite sinks `(H,)` replaced by 0, and bool `(H, 1)`
-    marking their heads, every row of which `finish` sets to NaN (a row's softmax
-    always includes its sink); `(None, False)` without sinks."""
-    if sinks is None:
-        return None, False
-    finite = jnp.isfinite(sinks)
-    return jnp.where(finite, sinks, jnp.zeros((), sinks.dtype)), ~finite[:, None]
+def sanitize_description(vis):
+    """`(vis, bad_heads)`: the description with its non-finite sinks `(H,)` replaced
+    by 0, and bool `(H, 1)` marking their heads, every row of which `finish` sets to
+    NaN (a row's softmax always includes its sink); `(vis, False)` without sinks."""
+    if vis.sinks is None:
+        return vis, False
+    finite = jnp.isfinite(vis.sinks)
+    return dataclasses.replace(vis, sinks=jnp.where(finite, vis.sinks, jnp.zeros((), vis.sinks.dtype))), ~finite[:, None]
 
 
 def poisoned_rows(touched, bad_q, empty, bad_heads=False):
@@ -135,9 +157,9 @@ def poisoned_rows(touched, bad_q, empty, bad_heads=False):
     return rows if bad_heads is False else rows | jax.lax.broadcast_to_rank(bad_heads, rows.ndim)
 
 
-def finish(out, weights, empty, poisoned, v, bad_kv, q_lengths, empty_rows, has_sinks: bool = False):
+def finish(out, weights, empty, poisoned, v, bad_kv, vis, empty_rows):
     """The empty-row policy, NaN for `poisoned` rows (`poisoned_rows`), zeros past
-    `q_lengths` (int32 `(B…|1, 1, 1, 1)`, the description's, or None).
+    the description's `q_lengths`.
 
     With sinks no row is empty (the sink is always visible): a row with no real key
     attends to its sink alone, output 0, under either policy, so `empty_rows` never
@@ -145,11 +167,12 @@ def finish(out, weights, empty, poisoned, v, bad_kv, q_lengths, empty_rows, has_
 
     Args:
       out: `(B…, H, N, Dv)`; weights: `(B…, H, N, S)` or None; empty, poisoned: bool
-      `(B…, H, N)`; v: `(B…, K, S, Dv)` (finite); bad_kv: bool `(B…, K, S)`.
+      `(B…, H, N)`; v: `(B…, K, S, Dv)` (finite); bad_kv: bool `(B…, K, S)`;
+      vis: the description (its `q_lengths` int32 `(B…|1, 1, 1, 1)` or None).
     """
     *batch, h, n, _ = out.shape
     s = v.shape[-2]
-    if empty_rows == "uniform" and s and not has_sinks:
+    if empty_rows == "uniform" and s and vis.sinks is None:
         groups = h // v.shape[-3]
         mean_v = jnp.repeat(jnp.mean(v.astype(out.dtype), axis=-2, keepdims=True), groups, axis=-3)
         out = jnp.where(empty[..., None], mean_v, out)  # (B…, H, N, Dv)
@@ -163,8 +186,8 @@ def finish(out, weights, empty, poisoned, v, bad_kv, q_lengths, empty_rows, has_
     out = jnp.where(poisoned, jnp.nan, out)
     if weights is not None:
         weights = jnp.where(poisoned, jnp.nan, weights)
-    if q_lengths is not None:
-        row_ok = _before_length(n, q_lengths)
+    if vis.q_lengths is not None:
+        row_ok = _before_length(n, vis.q_lengths)
         out = jnp.where(row_ok[..., None], out, 0.0)
         if weights is not None:
             weights = jnp.where(row_ok[..., None], weights, 0.0)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -169,25 +169,24 @@ def _second_pass(plan: _Plan, vis, q_i, k, lse, poisoned, received, i0):
     return _over_keys(plan, vis, i0, update, (zeros, zeros, received))
 
 
-def _row_lse(plan: _Plan, vis, m, l, sinks, i0):
-    """`(lse, empty)` of rows `i0…` from the online `(m, l)`: `lse` folds in the sink
-    (`sinks (H,)` or None) and is -inf on a padding row (past `q_lengths`) and on a row
-    with neither a visible key nor a sink; `empty` marks rows with no visible key."""
+def _row_lse(plan: _Plan, vis, m, l, i0):
+    """`(lse, empty)` of rows `i0…` from the online `(m, l)`: `lse` closed as the
+    description says (`_softmax.close_lse`), -inf on a padding row (past `q_lengths`)
+    and on a row with nothing in its denominator; `empty` marks rows with no visible key."""
     empty = m == -jnp.inf
-    lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
-    lse = _softmax.add_sink(lse, sinks)
+    lse = _softmax.close_lse(jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l))), vis)
     if vis.q_lengths is not None:
         rows = lax.broadcast_to_rank(i0 + jnp.arange(plan.q_block, dtype=jnp.int32), 3)  # (1, 1, bq)
         lse = jnp.where(rows < vis.q_lengths[..., 0], lse, -jnp.inf)
     return lse, empty
 
 
-def _query_block(plan: _Plan, vis, q, k, bad_q, bad_kv, sinks, received, r):
+def _query_block(plan: _Plan, vis, q, k, bad_q, bad_kv, received, r):
     """Both passes for query block `r`: `(received, (entropy, max_weight, lse))`, rows `(B, H, bq)`."""
     i0 = r * plan.q_block
     q_i = lax.dynamic_slice_in_dim(q, i0, plan.q_block, axis=3)  # (B, K, G, bq, D)
     m, l, touched = _first_pass(plan, vis, q_i, k, bad_kv, i0)
-    lse, empty = _row_lse(plan, vis, m, l, sinks, i0)
+    lse, empty = _row_lse(plan, vis, m, l, i0)
     poisoned = None
     if bad_q is not None:
         # As `attention`: a row with no visible key is never NaN (nor a padding row, which sees none).
@@ -198,10 +197,10 @@ def _query_block(plan: _Plan, vis, q, k, bad_q, bad_kv, sinks, received, r):
     return received, (entropy, top, lse)
 
 
-def _statistics(plan: _Plan, vis, q, k, bad_q, bad_kv, sinks):
+def _statistics(plan: _Plan, vis, q, k, bad_q, bad_kv):
     """`(entropy, max_weight, lse (B, H, Np), received (B, H, Sp))` in the engine layout."""
     received = jnp.zeros((q.shape[0], plan.heads, plan.s_pad), plan.dtype)
-    step = lambda carry, r: _query_block(plan, vis, q, k, bad_q, bad_kv, sinks, carry, r)
+    step = lambda carry, r: _query_block(plan, vis, q, k, bad_q, bad_kv, carry, r)
     if plan.n_pad == plan.q_block:
         received, rows = step(received, 0)
         return (*rows, received)
@@ -283,14 +282,13 @@ def _blocks(path: str, n: int, s: int, rows: int, query_block_size, key_block_si
     return min(n, q_block), k_block
 
 
-def _empty_result(q, k, vis, sinks, dtype) -> dict:
+def _empty_result(q, k, vis, dtype) -> dict:
     """The statistics when N, S or the batch is empty: no weights, so zeros; `lse`
-    the sink (or -inf) on every row, -inf past `q_lengths`."""
+    -inf closed as the description says on every row (`_softmax.close_lse`: a sink's
+    logit), -inf past `q_lengths`."""
     batch, (h, n), s = q.shape[:-3], q.shape[-3:-1], k.shape[-2]
     rows = batch + (h, n)
-    lse = jnp.full(rows, -jnp.inf, dtype)
-    if sinks is not None:
-        lse = jnp.broadcast_to(sinks.astype(dtype)[:, None], rows)
+    lse = _softmax.close_lse(jnp.full(rows, -jnp.inf, dtype), vis).astype(dtype)
     if vis.q_lengths is not None:
         inside = lax.broadcast_to_rank(jnp.arange(n, dtype=jnp.int32), len(rows)) < vis.q_lengths[..., 0]
         lse = jnp.where(inside, lse, -jnp.inf)
@@ -298,15 +296,16 @@ def _empty_result(q, k, vis, sinks, dtype) -> dict:
     return {"entropy": zeros, "max_weight": zeros, "received": jnp.zeros(batch + (h, s), dtype), "lse": lse}
 
 
-def _run(path, q, k, v, vis, sinks, scale, blocks) -> dict:
+def _run(path, q, k, v, vis, scale, blocks) -> dict:
     """`path` (one of `IMPLEMENTATIONS` but "auto") on validated inputs; the public
-    layout in and out. Every row of a head whose sink is not finite is NaN."""
+    layout in and out. Every row of a head whose sink is not finite is NaN
+    (`_softmax.sanitize_description`)."""
     batch, (heads, n, d), (kv_heads, s) = q.shape[:-3], q.shape[-3:], k.shape[-3:-1]
     b = math.prod(batch)
     dtype = _masking.compute_dtype(q.dtype)
     q, k, v, bad_q, bad_kv = _softmax.sanitize(q, k, v)
-    sinks, bad_heads = _softmax.sanitize_sinks(sinks)
-    if sinks is not None:
+    vis, bad_heads = _softmax.sanitize_description(vis)
+    if bad_heads is not False:
         bad_q = bad_q | lax.broadcast_to_rank(bad_heads, bad_q.ndim)
     q_block, k_block = _blocks(path, n, s, b * heads, *blocks)
     plan = _Plan(n, s, -(-n // q_block) * q_block, -(-s // k_block) * k_block, heads, heads // kv_heads, q_block,
@@ -316,10 +315,10 @@ def _run(path, q, k, v, vis, sinks, scale, blocks) -> dict:
     bad_q = _pad(bad_q.reshape(b, heads, n), 2, plan.n_pad, False)  # (B, H, Np)
     bad_kv = _pad(bad_kv.reshape(b, kv_heads, s), 2, plan.s_pad, False)  # (B, K, Sp)
     entropy, top, lse, received = _statistics_jit(plan, _engine_description(vis, batch, plan), q_e, k_e, bad_q,
-                                                  bad_kv, sinks)
+                                                  bad_kv)
     rows = lambda x: x[..., :n].reshape(batch + (heads, n))
     entropy, top, lse = rows(entropy), rows(top), rows(lse)
-    if sinks is not None:  # a bad sink's head: every row, also those that see no key
+    if bad_heads is not False:  # a bad sink's head: every row, also those that see no key
         bad = lax.broadcast_to_rank(bad_heads, entropy.ndim)
         entropy, top, lse = (jnp.where(bad, jnp.nan, x) for x in (entropy, top, lse))
     # Rounding can step just past the bounds (a one-hot row's entropy of -1e-8).
@@ -336,20 +335,11 @@ def attention_statistics(
     mask: jax.Array | None = None,
     bias: jax.Array | None = None,
     *,
-    is_causal: bool = False,
     scale: float | None = None,
-    local_window_size: int | tuple[int | None, int | None] | None = None,
-    q_lengths: jax.Array | None = None,
-    kv_lengths: jax.Array | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    score_mod: Callable | None = None,
-    mask_mod: Callable | None = None,
-    logits_soft_cap: float | None = None,
-    sinks: jax.Array | None = None,
     implementation: str | None = "auto",
     query_block_size: int | None = None,
     key_block_size: int | None = None,
+    **description,
 ) -> dict[str, jax.Array]:
     """Per-head statistics of the attention weights, without building them on the
     blockwise path.
@@ -363,25 +353,23 @@ def attention_statistics(
     context"), and key blocks that causality, the window or the lengths rule out are
     not computed.
 
-    With `sinks` (gpt-oss's attention sinks), each head's softmax also has a virtual key
-    of logit `sinks[h]` (in the scaled-logit space) and value zero: the weights of the
-    real keys are `exp(s_j - lse)` with the sink in `lse`, so they sum to
-    `1 - exp(sinks[h] - lse)`. `entropy`, `max_weight` and `received` are over the real
-    keys only: `entropy = -Σ_j w_j log w_j` of those weights (not renormalised; the
-    sink's own term `-w_sink log w_sink` is not included), so it equals
-    `attention_entropy` of the weights `attention` returns with the same sinks. The
-    sink's weight of a row is `exp(sinks[h] - lse)`.
+    With a sink per head (gpt-oss's, a virtual key of value zero), the real keys'
+    weights sum to one minus the sink's share, `exp(sink - lse)`; `entropy`,
+    `max_weight` and `received` are over the real keys only (not renormalised; the
+    sink's own term is not in the entropy), as `attention_entropy` of the weights
+    `attention` returns with the same sink logits.
 
-    Rows: a row with no visible key has entropy 0, max_weight 0, and lse `-inf`
-    (`sinks[h]` with sinks: the sink takes all its weight). A row past `q_lengths` is
-    padding, not a query: its statistics are 0, lse `-inf` even with sinks, and it adds
+    Rows: a row with no visible key has entropy 0, max_weight 0, and lse `-inf` (with
+    a sink, the sink's logit: it takes all the weight). A row past `q_lengths` is
+    padding, not a query: its statistics are 0, lse `-inf` even with a sink, and it adds
     nothing to `received`. Non-finite inputs, as in `attention`: a row that may attend
     to a key or value with a NaN or infinite entry, or whose own query has one, gets NaN
     entropy, max_weight and lse, and adds NaN to `received` of every key it may attend
     (and only those); rows without a visible key are never NaN; every other number is
-    exactly what it would be without the bad entries.
+    exactly what it would be without the bad entries. Entropy stays in `[0, log S]` and
+    weights in `[0, 1]`.
 
-    Not differentiable: the outputs are measurements. q, k, v, `bias` and `sinks` pass
+    Not differentiable: the outputs are measurements. q, k, v, `bias` and the sink logits pass
     through `jax.lax.stop_gradient`, so the statistics can be computed inside a
     differentiated function (e.g. logged from a training step) and carry zero gradient;
     values a `score_mod` closes over are not stopped, and differentiating through them
@@ -395,19 +383,7 @@ def attention_statistics(
         attend to a non-finite value is NaN, as in `attention`.
       mask: bool broadcastable to `(B…, H, N, S)`, True = may attend.
       bias: float broadcastable to `(B…, H, N, S)`, added to the scaled logits.
-      is_causal: the causal pattern, as for `jax_mha.attention` (query `i` at key
-        position `i + S - N`).
       scale: the logit scale (a static number), default `1/sqrt(D)`.
-      local_window_size: `(left, right)` or an int, as for `jax_mha.attention`.
-      q_lengths: int broadcastable to `(B…)`: valid queries per sequence; the rows
-        past it are padding.
-      kv_lengths: int broadcastable to `(B…)`: valid keys per sequence.
-      q_segment_ids: int `(B…, N)`: packed sequences, as for `jax_mha.attention`.
-      kv_segment_ids: int `(B…, S)`; defaults to `q_segment_ids` when N == S.
-      score_mod: `score_mod(score, batch, head, q_idx, kv_idx) -> score`, or None.
-      mask_mod: `mask_mod(batch, head, q_idx, kv_idx) -> bool`, or None.
-      logits_soft_cap: `c > 0`: logits become `c · tanh(logits / c)`, or None.
-      sinks: float `(H,)`, one sink logit per query head, or None (no sink).
       implementation: `"xla"` (the whole `(B…, H, N, S)` scores in one block),
         `"blockwise"` (query blocks x key blocks, memory linear in N and S), or
         `"auto"`/None: `"xla"` while the whole scores fit
@@ -415,6 +391,9 @@ def attention_statistics(
       query_block_size: the blockwise path's query block (None: 512, halved down to 64
         while `B·H·q_block·k_block` exceeds 2**22 elements); ignored by `"xla"`.
       key_block_size: the blockwise path's key block (None: 512); ignored by `"xla"`.
+      **description: `attention`'s keywords of who may attend and of the logits
+        (`jax_mha._validate.DESCRIPTION_KEYWORDS`: causality, window, lengths, segment
+        ids, the mods, the soft cap, the sink logits), with their meaning and checks.
 
     Returns:
       A dict of float32 arrays (float64 for float64 inputs):
@@ -426,25 +405,23 @@ def attention_statistics(
 
     Raises:
       TypeError: as `attention` (integer, complex or mixed dtypes, a non-boolean mask,
-        bad lengths, ids or mods, ...); non-floating `sinks`; a non-int block size.
-      ValueError: as `attention` for shapes that do not fit; `sinks` not of shape
-        `(H,)`; an unknown implementation; a block size below 1.
+        bad lengths, ids or mods, non-floating sink logits, ...); a keyword that is not
+        `attention`'s description; a non-int block size.
+      ValueError: as `attention` for shapes that do not fit or non-finite concrete
+        sink logits; an unknown implementation; a block size below 1.
     """
     path = _check_blocks(implementation, query_block_size, key_block_size)
+    _validate.check_description_keywords("attention_statistics", description)
     q, k, v = (lax.stop_gradient(jnp.asarray(x)) for x in (q, k, v))
     bias = None if bias is None else lax.stop_gradient(jnp.asarray(bias))
-    vis = _validate.describe(q, k, v, mask, bias, is_causal=is_causal, local_window_size=local_window_size,
-                             q_lengths=q_lengths, kv_lengths=kv_lengths, q_segment_ids=q_segment_ids,
-                             kv_segment_ids=kv_segment_ids, score_mod=score_mod, mask_mod=mask_mod,
-                             logits_soft_cap=logits_soft_cap)
-    scale = _validate.check_options(scale, 0.0, None, True, "zero", is_causal, q.shape[-1])
-    sinks = _validate.check_sinks(sinks, q.shape[-3])
-    sinks = None if sinks is None else lax.stop_gradient(sinks)
+    vis = _validate.describe(q, k, v, mask, bias, **description)
+    vis = jax.tree.map(lax.stop_gradient, vis)
+    scale = _validate.check_options(scale, 0.0, None, True, "zero", vis.is_causal, q.shape[-1])
     if path == "auto":
         path = _dispatch.pure_path(vis, _masking.Call(q, k, v))
     if q.shape[-2] == 0 or k.shape[-2] == 0 or 0 in q.shape[:-3]:
-        return _empty_result(q, k, vis, sinks, _masking.compute_dtype(q.dtype))
-    return _run(path, q, k, v, vis, sinks, scale, (query_block_size, key_block_size))
+        return _empty_result(q, k, vis, _masking.compute_dtype(q.dtype))
+    return _run(path, q, k, v, vis, scale, (query_block_size, key_block_size))
 
 
 __all__ = ["IMPLEMENTATIONS", "attention_statistics"]

@@ -8,6 +8,7 @@ builds the one description (`_masking.Visibility`) every path reads.
 
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 
@@ -266,7 +267,7 @@ def check_sinks(sinks, num_heads: int):
     Raises:
       TypeError: for a non-floating dtype. ValueError: for another shape, or a
         concrete non-finite sink (traced ones make every row of their head NaN on
-        every path: `jax_mha._softmax.sanitize_sinks`).
+        every path: `jax_mha._softmax.sanitize_description`).
     """
     if sinks is None:
         return None
@@ -281,6 +282,18 @@ def check_sinks(sinks, num_heads: int):
             raise ValueError(f"sinks must be finite, got {float(sinks[bad[0]])} for head {bad[0]} (a head without a "
                              "sink is not expressible: leave sinks out, or give it a very negative logit)")
     return sinks
+
+
+def check_description_keywords(caller: str, keywords: dict) -> None:
+    """For the entry points that take `attention`'s description as `**description`.
+
+    Raises:
+      TypeError: naming the first keyword `describe` does not take, as Python would.
+    """
+    unknown = sorted(set(keywords) - set(DESCRIPTION_KEYWORDS))
+    if unknown:
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}; it takes attention's "
+                        f"description keywords {', '.join(DESCRIPTION_KEYWORDS)}")
 
 
 def describe(q, k, v, mask=None, bias=None, *, is_causal=False, local_window_size=None, q_lengths=None,
@@ -319,3 +332,10 @@ def describe(q, k, v, mask=None, bias=None, *, is_causal=False, local_window_siz
         segments_shared=q_segment_ids is not None and (kv_segment_ids is None or kv_segment_ids is q_segment_ids),
         schedule=check_schedule(block_schedule, n, s),
     )
+
+
+# `attention`'s keywords that describe who may attend and the logits (all of `describe`'s
+# but the offsets decoding sets): what `attention_statistics` and the parallel entry
+# points take as `**description`.
+DESCRIPTION_KEYWORDS = tuple(name for name, p in inspect.signature(describe).parameters.items()
+                             if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("q_offset", "q_start"))

@@ -15,10 +15,10 @@ sends the key/value gradients around the ring with the blocks they belong to, so
 arrive home. Gradients also reach the floating values a `score_mod` closes over (ALiBi
 slopes, a relative-bias table): the mods are traced once at the tile's shapes and every
 array they close over becomes an explicit input of the custom VJP (`_hoist`), whose
-gradient each device sums over its tiles before one `psum`. Attention sinks (one logit
-per head for a key of value zero) need no ring step: each device adds them to its rows'
-denominators after the ring, and their gradient, `-Σ P_sink · (rowsum(dO ∘ O) - d lse)`,
-is a sum over its rows before one `psum`.
+gradient each device sums over its tiles before one `psum`. What the description adds
+to every row's denominator beyond its keys (a sink) needs no ring step: the rows are
+closed after the ring from its differentiable log-sum-exp (`_softmax.close`), as every
+path closes them.
 
 Which pairs may attend, and with what logit, is read from the one description
 (`jax_mha._masking.Visibility`, built as `jax_mha.attention` builds it, for the global
@@ -76,7 +76,7 @@ class _Ring(NamedTuple):
     heads: int  # H, global
     is_causal: bool
     window: _masking.Window | None
-    soft_cap: float | None
+    static: Visibility  # the description without its arrays and mods (`_masking.static_part`)
     scale: float
     dtype: str  # accumulation dtype
     # The mods with every closed-over array hoisted out (`_hoist`):
@@ -90,8 +90,7 @@ class _Arrays(NamedTuple):
     """The ring's array inputs, global (sharded) outside `shard_map`, per device inside.
 
     q `(B, H, N, D)`, k `(B, K, N, D)`, v `(B, K, N, Dv)`; q_len, kv_len int32 `(B,)`;
-    q_ids, kv_ids int32 `(B, N)`; the consts are replicated; sinks float `(H,)`, split
-    like the heads; bad_kv bool `(B, K, N)`, the keys whose key or value was not finite
+    q_ids, kv_ids int32 `(B, N)`; the consts are replicated; bad_kv bool `(B, K, N)`, the keys whose key or value was not finite
     (`_softmax.sanitize`), split like the keys."""
 
     q: jax.Array
@@ -103,7 +102,6 @@ class _Arrays(NamedTuple):
     kv_ids: jax.Array | None
     score_consts: tuple
     mask_consts: tuple
-    sinks: jax.Array | None = None
     bad_kv: jax.Array | None = None
 
 
@@ -133,10 +131,8 @@ def _visibility(ring: _Ring, a: _Arrays, score_consts: tuple | None = None) -> V
     `(B, 1, 1, 1)` (tile rank 4) and the hoisted mods bound to their consts."""
     lengths = lambda x: None if x is None else x.reshape(-1, 1, 1, 1)
     consts = a.score_consts if score_consts is None else score_consts
-    return Visibility(ring.n, ring.n, ring.is_causal, ring.window, q_lengths=lengths(a.q_len),
-                      kv_lengths=lengths(a.kv_len), score_mod=_bound(ring.score_mod, consts),
-                      mask_mod=_bound(ring.mask_mod, a.mask_consts), logits_soft_cap=ring.soft_cap,
-                      batch_shape=(ring.batch,), num_heads=ring.heads)
+    return dataclasses.replace(ring.static, q_lengths=lengths(a.q_len), kv_lengths=lengths(a.kv_len),
+                               score_mod=_bound(ring.score_mod, consts), mask_mod=_bound(ring.mask_mod, a.mask_consts))
 
 
 def _positions(ring: _Ring, device) -> jax.Array:
@@ -232,7 +228,7 @@ def _logits_and_pullback(ring: _Ring, a: _Arrays, dev: _Device, x, tile: _Tile):
     """`(logits, pullback)`: the mods on raw scores `x`, and the VJP that takes a
     cotangent of the logits to `(d x, *d floating score consts)`; pullback None when
     there are no mods (the logits are `x`)."""
-    if ring.score_mod is None and ring.soft_cap is None:
+    if ring.score_mod is None and not ring.static.changes_scores:
         return x, None
     rows, cols = tile.rows_cols()
 
@@ -326,9 +322,8 @@ def _when_segments_meet(q_ids, kv_ids, fn, carry):
 
 def _forward(ring: _Ring, a: _Arrays):
     """Per device, in the ring's layout: `(out (B, H, N/P, Dv), lse (B, H, N/P),
-    touched, empty)`, lse the natural log of each row's softmax denominator (the sink's
-    term included), `-inf` on a row that sees no key and has no sink (its output is
-    0); touched and empty bool `(B, H, N/P)`: the rows that may see a bad key
+    touched, empty)`, lse the natural log of each row's softmax denominator over the
+    keys, `-inf` on a row that sees no key (its output is 0); touched and empty bool `(B, H, N/P)`: the rows that may see a bad key
     (`a.bad_kv`), and those that see no key."""
     dev, vis, c = _device(ring, a), _visibility(ring, a), ring.chunk
     b, h, n, _ = a.q.shape
@@ -358,7 +353,7 @@ def _forward(ring: _Ring, a: _Arrays):
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
     out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
     heads = lambda x: _unchunk(x, 3).reshape((b, h, n) + x.shape[5:])  # (B, K, G, n, …) → (B, H, n, …)
-    return (*_softmax.with_sinks(heads(out), heads(lse), a.sinks), heads(touched), heads(~seen))
+    return heads(out), heads(lse), heads(touched), heads(~seen)
 
 
 def _backward_step(ring: _Ring, a: _Arrays, dev: _Device, queries, t, state, travel):
@@ -398,9 +393,8 @@ def _backward_step(ring: _Ring, a: _Arrays, dev: _Device, queries, t, state, tra
 
 def _backward(ring: _Ring, a: _Arrays, out, lse, d_out, d_lse):
     """The ring again, per device in the ring's layout: dq stays, (k, v, dk, dv)
-    travel. Returns `(dq, dk, dv, d floats, d sinks)`, the floats' gradient summed over
-    the devices, the sinks' over the devices of the sequence and batch (None without
-    sinks)."""
+    travel. Returns `(dq, dk, dv, d floats)`, the floats' gradient summed over the
+    devices."""
     dev, c = _device(ring, a), ring.chunk
     b, h, n, _ = a.q.shape
     kh = a.k.shape[1]
@@ -423,19 +417,7 @@ def _backward(ring: _Ring, a: _Arrays, out, lse, d_out, d_lse):
     axes = tuple(x for x in (ring.axis_name, ring.batch_axis, ring.head_axis) if x is not None)
     d_floats = tuple(lax.psum(x, axes) for x in d_floats)
     dq = _unchunk(dq, 3).reshape(a.q.shape)
-    d_sinks = _sinks_grad(ring, a.sinks, lse.reshape((b, h, n)), delta.reshape((b, h, n)))
-    return dq.astype(a.q.dtype), dk.astype(a.k.dtype), dv.astype(a.v.dtype), d_floats, d_sinks
-
-
-def _sinks_grad(ring: _Ring, sinks, lse, delta):
-    """d sinks `(H,)` (this device's heads): a sink's logit moves only the row's
-    denominator, so d sinks[h] = -Σ_rows P_sink · delta, with P_sink = exp(sinks[h] -
-    lse) and delta = rowsum(dO ∘ O) - d lse `(B, H, n)` (lse +inf: P_sink = 0)."""
-    if sinks is None:
-        return None
-    p_sink = jnp.exp(sinks.astype(lse.dtype)[None, :, None] - lse)
-    axes = tuple(x for x in (ring.axis_name, ring.batch_axis) if x is not None)  # the heads stay split
-    return lax.psum(-(p_sink * delta).sum((0, 2)), axes).astype(sinks.dtype)
+    return dq.astype(a.q.dtype), dk.astype(a.k.dtype), dv.astype(a.v.dtype), d_floats
 
 
 # ---------------------------------------------------------------------------------
@@ -477,7 +459,6 @@ def _specs(ring: _Ring, a: _Arrays):
     replicated = lambda xs: tuple(PartitionSpec() for _ in xs)
     specs = _Arrays(seq, seq, seq, given(a.q_len, rows), given(a.kv_len, rows), given(a.q_ids, ids),
                     given(a.kv_ids, ids), replicated(a.score_consts), replicated(a.mask_consts),
-                    given(a.sinks, PartitionSpec(ring.head_axis)),
                     given(a.bad_kv, PartitionSpec(ring.batch_axis, ring.head_axis, ring.axis_name)))
     return specs, seq, PartitionSpec(ring.batch_axis, ring.head_axis, ring.axis_name)
 
@@ -511,19 +492,18 @@ def _ring_bwd(ring: _Ring, residuals, cotangents):
 
     def per_device(a, out, lse, d_out, d_lse):
         stripe = lambda x: _to_striped(ring, x, 2)
-        dq, dk, dv, d_floats, d_sinks = _backward(ring, _in_ring_layout(ring, a),
-                                                  *map(stripe, (out, lse, d_out, d_lse)))
-        return (*(_from_striped(ring, x, 2) for x in (dq, dk, dv)), d_floats, d_sinks)
+        dq, dk, dv, d_floats = _backward(ring, _in_ring_layout(ring, a), *map(stripe, (out, lse, d_out, d_lse)))
+        return (*(_from_striped(ring, x, 2) for x in (dq, dk, dv)), d_floats)
 
     floats_specs = tuple(PartitionSpec() for _ in ring.score_floats)
-    dq, dk, dv, d_floats, d_sinks = jax.shard_map(
+    dq, dk, dv, d_floats = jax.shard_map(
         per_device, mesh=ring.mesh, in_specs=(specs, seq, rows, seq, rows),
-        out_specs=(seq, seq, seq, floats_specs, specs.sinks), check_vma=False)(
+        out_specs=(seq, seq, seq, floats_specs), check_vma=False)(
         a, out, lse, *_placed(ring, tuple(cotangents), (seq, rows)))
     d_consts = [None] * len(a.score_consts)
     for i, d in zip(ring.score_floats, d_floats):
         d_consts[i] = d.astype(a.score_consts[i].dtype)
-    return (_Arrays(dq, dk, dv, None, None, None, None, tuple(d_consts), (None,) * len(a.mask_consts), d_sinks),)
+    return (_Arrays(dq, dk, dv, None, None, None, None, tuple(d_consts), (None,) * len(a.mask_consts)),)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -649,12 +629,12 @@ def _plan(vis: Visibility, q, k, v, bad_kv, *, mesh, axis_name, scale, query_chu
     mask_mod, mask_consts = _hoist(vis.mask_mod, *idx)
     floats = tuple(i for i, x in enumerate(score_consts) if jnp.issubdtype(x.dtype, jnp.floating))
     ring = _Ring(mesh, axis_name, batch_axis_name, head_axis_name, size, _steps(vis, size, local, striped), local,
-                 striped, chunk, n, b, h, vis.is_causal, vis.window, vis.logits_soft_cap, float(scale),
+                 striped, chunk, n, b, h, vis.is_causal, vis.window, _masking.static_part(vis), float(scale),
                  jnp.dtype(dtype).name, score_mod, mask_mod, floats)
     lengths = lambda x: None if x is None else jnp.broadcast_to(x.reshape(-1), (b,))
     ids = lambda x: None if x is None else jnp.broadcast_to(x.reshape(x.shape[0], n), (b, n))
     a = _Arrays(q, k, v, lengths(vis.q_lengths), lengths(vis.kv_lengths), ids(vis.q_segment_ids),
-                ids(vis.kv_segment_ids), score_consts, mask_consts, vis.sinks, bad_kv)
+                ids(vis.kv_segment_ids), score_consts, mask_consts, bad_kv)
     return ring, _placed(ring, a)
 
 
@@ -670,24 +650,25 @@ def _placed(ring: _Ring, tree, specs=None):
 
 
 def _attend(q, k, v, call: Call, *, mask=None, bias=None, mesh: Mesh, axis_name: str, scale, query_chunk_size,
-            batch_axis_name, head_axis_name, **visibility):
+            batch_axis_name, head_axis_name, **description):
     """Validates, reads `refusal`, plans and runs the ring; returns `(out (B, H, N, Dv)
     in q's dtype, lse (B, H, N) float32)`, lse -inf past `q_lengths`."""
+    _validate.check_description_keywords("ring_attention", description)
     _check_mesh(mesh, axis_name, batch_axis_name, head_axis_name)
     _check_qkv(q, k, v)
-    vis = _validate.describe(q, k, v, mask, bias, **visibility)  # attention's checks and messages
+    vis = _validate.describe(q, k, v, mask, bias, **description)  # attention's checks and messages
     reason = refusal(vis, call)
     if reason is not None:
         raise ValueError(reason)
     scale = _validate.check_options(scale, 0.0, None, True, "zero", vis.is_causal, q.shape[-1])
-    sinks, bad_heads = _softmax.sanitize_sinks(vis.sinks)
-    vis = dataclasses.replace(vis, sinks=sinks)
+    vis, bad_heads = _softmax.sanitize_description(vis)
     q, k, v, bad_q, bad_kv = _softmax.sanitize(q, k, v)  # the steps every path runs between (`_dispatch`)
     ring, a = _plan(vis, q, k, v, bad_kv, mesh=mesh, axis_name=axis_name, scale=scale,
                     query_chunk_size=query_chunk_size, batch_axis_name=batch_axis_name, head_axis_name=head_axis_name)
     out, lse, touched, empty = _ring(ring, a)
+    out, lse = _softmax.close(out, lse, vis)
     poisoned = _softmax.poisoned_rows(touched, bad_q, empty, bad_heads)
-    out, _ = _softmax.finish(out, None, empty, poisoned, v, bad_kv, vis.q_lengths, "zero", sinks is not None)
+    out, _ = _softmax.finish(out, None, empty, poisoned, v, bad_kv, vis, "zero")
     return out.astype(q.dtype), _softmax.finish_lse(lse, poisoned, vis.q_lengths, ring.n)
 
 
@@ -705,32 +686,28 @@ def ring_attention(
     *,
     mesh: Mesh,
     axis_name: str = "sequence",
-    is_causal: bool = False,
     scale: float | None = None,
-    local_window_size: int | tuple[int | None, int | None] | None = None,
-    q_lengths: jax.Array | None = None,
-    kv_lengths: jax.Array | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    score_mod: Callable | None = None,
-    mask_mod: Callable | None = None,
-    logits_soft_cap: float | None = None,
-    sinks: jax.Array | None = None,
     return_residual: bool = False,
     query_chunk_size: int = QUERY_CHUNK,
     batch_axis_name: str | None = None,
     head_axis_name: str | None = None,
+    **description,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Self-attention with the sequence split over the mesh axis `axis_name`.
 
     Equals `jax_mha.attention(q, k, v, ...)` with the same keywords (to float32
     rounding, values and gradients) while each of the P devices of `axis_name` holds
-    only N/P rows of q, k and v (see the module docstring for how). The keywords mean
-    what they mean for `attention`, on the whole sequence: positions, `q_idx` and
-    `kv_idx` are global, `batch` the index into the whole batch, `head` the query head
-    of all H. A dense `mask` or `bias` has no place here (it would be `(B, H, N, N)`):
-    write it as `mask_mod`, segment ids or `score_mod` (the modules' `attention_fn`,
-    `ring_attention_fn`, refuses them by name, see `refusal`).
+    only N/P rows of q, k and v (see the module docstring for how). The description
+    keywords mean what they mean for `attention`, on the whole sequence: positions,
+    `q_idx` and `kv_idx` are global, `batch` the index into the whole batch, `head` the
+    query head of all H. A dense `mask` or `bias` has no place here (it would be
+    `(B, H, N, N)`): write it as a mask function, segment ids or a score function (the
+    modules' `attention_fn`, `ring_attention_fn`, refuses them by name, see `refusal`).
+    Segment ids travel around the ring with their key/value block, and a step or tile
+    whose id ranges cannot meet is skipped (sorted ids skip best). The mods are called
+    on each `(B/…, H/…, chunk, chunk)` tile with global int32 indices and may close over
+    arrays, traced ones included; gradients reach the floating arrays a score function
+    closes over, and the sink logits.
 
     Args:
       q: `(B, H, N, D)` queries, in the caller's (contiguous) order, typically sharded
@@ -742,30 +719,7 @@ def ring_attention(
       bias: refused by name, as `mask`.
       mesh: the device mesh; `axis_name` must be one of its axes.
       axis_name: the mesh axis the sequence is split over.
-      is_causal: key `j` visible to query `i` only when `j <= i`.
       scale: logit scale; default `1/sqrt(D)`.
-      local_window_size: `(left, right)` keys each query sees around itself (jax.nn's
-        meaning; a side None is unbounded; an int w means (w, w)).
-      q_lengths: int broadcastable to `(B,)`: query rows at positions `>=` the length
-        are padding and output 0.
-      kv_lengths: int broadcastable to `(B,)`: keys at positions `>=` the length are
-        padding.
-      q_segment_ids: int `(B, N)` (or `(N,)`), packed documents: query `i` sees key
-        `j` only when their ids are equal.
-      kv_segment_ids: int `(B, N)` (or `(N,)`); default `q_segment_ids`. The kv ids
-        travel around the ring with their block; a step or tile whose id ranges
-        cannot meet is skipped (sorted ids skip best).
-      score_mod: `score_mod(score, batch, head, q_idx, kv_idx) -> score`, called on
-        each `(B/…, H/…, chunk, chunk)` tile with global int32 indices; gradients reach
-        the floating arrays it closes over (traced or not).
-      mask_mod: `mask_mod(batch, head, q_idx, kv_idx) -> bool`, the same indices; it
-        may close over arrays, traced ones (e.g. document ids under jit) included.
-      logits_soft_cap: `c > 0`: logits become `c · tanh(logits / c)` after
-        `score_mod`, before masking.
-      sinks: float `(H,)`, one logit per query head for a virtual key whose value is
-        zero, in the space of the logits after the mods: each row's softmax
-        denominator gains `exp(sinks[h])`. Never masked; gradients reach it. Split
-        over `head_axis_name` like the heads.
       return_residual: also return each row's log-sum-exp.
       query_chunk_size: query rows and keys per score tile inside a ring step (bounds
         the `(chunk, chunk)` scores a device holds at once).
@@ -775,56 +729,50 @@ def ring_attention(
       head_axis_name: a mesh axis the key/value heads K (and their query heads) are
         split over inside the ring (e.g. "model"); None: all heads on every device.
         K must be a multiple of its size.
+      **description: `attention`'s keywords of who may attend and of the logits
+        (`jax_mha._validate.DESCRIPTION_KEYWORDS`: `is_causal`, `local_window_size`,
+        lengths `(B,)`, segment ids `(B, N)` or `(N,)`, the mods, the soft cap, the sink
+        logits `(H,)`), with their meaning and checks.
 
     Returns:
       `out (B, H, N, Dv)` in q's dtype, sharded like q. A query that may see no key
       gets zeros (value and gradient), as `attention` does. With `return_residual`,
       `(out, lse)`: `lse (B, H, N)` float32, sharded like out along N, the natural log
-      of each row's softmax denominator (the sink's term included), -inf on a row
-      with no visible key and no sink and past `q_lengths`; differentiable.
+      of each row's softmax denominator (a sink's term included), -inf on a row with
+      nothing in its denominator and past `q_lengths`; differentiable.
 
     Raises:
       ValueError: naming the numbers, when an axis is not a mesh axis, N is not a
         multiple of the ring size (of its square for striped causal attention, where
         each device splits its rows once more), shapes disagree, K does not divide H;
-        and every `ValueError` of `attention` for the keywords above.
-      TypeError: for integer or complex inputs, and every `TypeError` of `attention`
-        for the keywords above.
+        and every `ValueError` of `attention` for the description.
+      TypeError: for integer or complex inputs, a keyword that is not `attention`'s
+        description, and every `TypeError` of `attention` for the description.
 
     Differentiable in reverse mode (`grad`, `vjp`; a custom VJP that runs the ring
     again); forward mode (`jvp`) is not supported by the custom VJP.
     """
     out, lse = _attend(
         q, k, v, Call(q, k, v, return_residual=bool(return_residual)), mask=mask, bias=bias, mesh=mesh,
-        axis_name=axis_name, scale=scale,
-        query_chunk_size=query_chunk_size, batch_axis_name=batch_axis_name, head_axis_name=head_axis_name,
-        is_causal=is_causal, local_window_size=local_window_size, q_lengths=q_lengths, kv_lengths=kv_lengths,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, score_mod=score_mod, mask_mod=mask_mod,
-        logits_soft_cap=logits_soft_cap, sinks=sinks,
-    )
+        axis_name=axis_name, scale=scale, query_chunk_size=query_chunk_size, batch_axis_name=batch_axis_name,
+        head_axis_name=head_axis_name, **description)
     return (out, lse) if return_residual else out
 
 
 def _ring_attention_fn(
-    q, k, v, mask=None, bias=None, *, mesh, axis_name, query_chunk_size, is_causal=False, scale=None,
-    local_window_size=None, q_lengths=None, kv_lengths=None, q_segment_ids=None, kv_segment_ids=None,
-    empty_rows="zero", dropout_rate=0.0, dropout_rng=None, deterministic=True, return_weights=False,
-    implementation=None, query_block_size=None, key_block_size=None, score_mod=None, mask_mod=None,
-    logits_soft_cap=None, sinks=None, return_residual=False,
+    q, k, v, mask=None, bias=None, *, mesh, axis_name, query_chunk_size, scale=None, empty_rows="zero",
+    dropout_rate=0.0, dropout_rng=None, deterministic=True, return_weights=False, implementation=None,
+    query_block_size=None, key_block_size=None, return_residual=False, **description,
 ):
     del implementation, query_block_size, key_block_size  # the ring walks its own tiles
-    _validate.check_options(scale, dropout_rate, dropout_rng, deterministic, empty_rows, is_causal,
-                              jnp.shape(q)[-1])  # bad values: attention's messages, before the refusal
+    _validate.check_options(scale, dropout_rate, dropout_rng, deterministic, empty_rows,
+                            description.get("is_causal", False), jnp.shape(q)[-1])  # attention's messages first
     call = Call(q, k, v, return_weights=bool(return_weights), dropout=dropout_rate > 0 and not deterministic,
                 empty_rows=empty_rows, return_residual=bool(return_residual))
     out, lse = _attend(
         q, k, v, call, mask=mask, bias=bias, mesh=mesh, axis_name=axis_name, scale=scale,
         query_chunk_size=query_chunk_size, batch_axis_name=_divides(mesh, "data", jnp.shape(q)[0]),
-        head_axis_name=_divides(mesh, "model", jnp.shape(k)[1]), is_causal=is_causal,
-        local_window_size=local_window_size, q_lengths=q_lengths, kv_lengths=kv_lengths,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, score_mod=score_mod, mask_mod=mask_mod,
-        logits_soft_cap=logits_soft_cap, sinks=sinks,
-    )
+        head_axis_name=_divides(mesh, "model", jnp.shape(k)[1]), **description)
     return (out, lse) if return_residual else out
 
 
@@ -850,10 +798,9 @@ def ring_attention_fn(mesh: Mesh, axis_name: str = "sequence", *, query_chunk_si
     The batch is split over the mesh's "data" axis and the key/value heads over
     "model" inside the ring when those axes divide them.
 
-    The returned callable takes `jax_mha.attention`'s keywords: `is_causal`, `scale`,
-    `local_window_size`, `q_lengths`, `kv_lengths`, `q_segment_ids`,
-    `kv_segment_ids` (the modules' `segment_ids`), `score_mod`, `mask_mod`,
-    `logits_soft_cap`, `sinks` and `return_residual` go to the ring;
+    The returned callable takes `jax_mha.attention`'s keywords: `scale`,
+    `return_residual` and the whole description (`_validate.DESCRIPTION_KEYWORDS`,
+    segment ids as the modules' `segment_ids`) go to the ring;
     `implementation` and the block sizes are ignored (the ring walks its own tiles);
     what ring attention cannot do is refused by name at trace time (ValueError,
     `refusal`): a dense `mask` or `bias`, `return_weights=True`, attention dropout,

@@ -5,7 +5,7 @@ Each of the P devices of `axis_name` holds N/P rows of q, k and v for every head
 `lax.all_to_all` per array turns that into every row of H/P heads (`(B, H, N/P, D)` →
 `(B, H/P, N, D)`); each device then runs plain `jax_mha.attention` on its heads over
 the whole sequence, so every feature of `attention` (causal, windows, lengths, packed
-segment ids, mods, soft-cap, GQA, sinks, any path) works unchanged, and one more
+segment ids, every part of the description, GQA, any path) works unchanged, and one more
 all-to-all brings the output back to the sequence split. Gradients are autodiff's:
 the transpose of an all-to-all is the all-to-all the other way.
 
@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jax_mha import _masking
 from jax_mha.functional import attention
 
 # Keywords whose arrays are split over the mesh (by batch and/or head); every other
@@ -44,7 +45,7 @@ from jax_mha.functional import attention
 _LENGTHS = ("q_lengths", "kv_lengths")
 _SEGMENTS = ("q_segment_ids", "kv_segment_ids")
 _PAIRWISE = ("mask", "bias")
-_SPLIT = (*_LENGTHS, *_SEGMENTS, *_PAIRWISE, "sinks")
+_SPLIT = (*_LENGTHS, *_SEGMENTS, *_PAIRWISE, *_masking.PER_HEAD)
 
 
 class _Plan(NamedTuple):
@@ -140,8 +141,9 @@ def _head_spec(plan: _Plan):
 def _arrays_and_specs(plan: _Plan, keywords: dict) -> tuple[dict, dict]:
     """The array keywords, in the layout each device is given, and their specs:
     lengths `(B,)` and segment ids `(B, length)` split by batch; a dense mask or bias,
-    brought to rank 4, by batch and head where it has those dimensions; `sinks` `(H,)`
-    by head; any other array whole."""
+    brought to rank 4, by batch and head where it has those dimensions; the
+    description's per-head arrays `(H,)` (`_masking.PER_HEAD`) by head; any other
+    array whole."""
     arrays, specs = {}, {}
     for name, x in keywords.items():
         if not isinstance(x, jax.Array):
@@ -154,7 +156,7 @@ def _arrays_and_specs(plan: _Plan, keywords: dict) -> tuple[dict, dict]:
             x = lax.broadcast_to_rank(x, 4)
             spec = PartitionSpec(plan.batch_axis if x.shape[0] == plan.batch > 1 else None,
                                  _head_spec(plan) if x.shape[1] == plan.heads > 1 else None, None, None)
-        elif name == "sinks":
+        elif name in _masking.PER_HEAD:
             spec = PartitionSpec(_head_spec(plan))
         else:
             spec = PartitionSpec()
@@ -174,14 +176,9 @@ def _offsets(plan: _Plan) -> tuple[Any, Any]:
 
 
 def _global_mods(keywords: dict, batch_offset, head_offset) -> dict:
-    """`score_mod` and `mask_mod` called with global batch and head indices."""
-    out = {}
-    score_mod, mask_mod = keywords.get("score_mod"), keywords.get("mask_mod")
-    if score_mod is not None:
-        out["score_mod"] = lambda s, b, h, i, j: score_mod(s, b + batch_offset, h + head_offset, i, j)
-    if mask_mod is not None:
-        out["mask_mod"] = lambda b, h, i, j: mask_mod(b + batch_offset, h + head_offset, i, j)
-    return out
+    """The mods (`_masking.MODS`) called with global batch and head indices."""
+    return {name: _masking.shift_indices(keywords[name], batch_offset, head_offset)
+            for name in _masking.MODS if keywords.get(name) is not None}
 
 
 def _placed(mesh: Mesh, tree, specs):
@@ -235,12 +232,11 @@ def ulysses_attention(
     Equals `jax_mha.attention(q, k, v, **attention_keywords)` (to float32 rounding,
     values and gradients) while each of the P devices of `axis_name` holds N/P rows
     of q, k, v and of the output, and attends with H/P heads over the whole sequence.
-    The keywords are `attention`'s (`mask`, `bias`, `is_causal`, `scale`,
-    `local_window_size`, `q_lengths`, `kv_lengths`, segment ids, `score_mod`,
-    `mask_mod`, `logits_soft_cap`, `empty_rows`, `sinks`, `return_weights`,
-    `implementation`, block sizes, ...), passed on to each device's call: the mods
-    with global batch and head indices; lengths, segment ids and sinks split by
-    batch or head and otherwise given whole to every device (ids `(B, N)` are
+    The keywords are `attention`'s (`mask`, `bias`, `scale`, the description,
+    `empty_rows`, `return_weights`, `implementation`, block sizes, ...), passed on to
+    each device's call: the mods with global batch and head indices; lengths, segment
+    ids and per-head arrays split by batch or head and otherwise given whole to every
+    device (ids `(B, N)` are
     gathered along N, a small int array); a dense `mask` or `bias` (broadcastable to
     `(B, H, N, S)`) likewise, each device holding its heads' `(N, S)` slices.
 

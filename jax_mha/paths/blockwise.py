@@ -8,18 +8,12 @@ block rule out are skipped, in the forward and in both passes of the backward, s
 causal attention does about half the work and a sliding window work proportional to
 N·window.
 
-A `mask_mod` (FlexAttention's mask function) is evaluated block by block, never as an
-`(N, S)` array. When every value it reads is known before the call runs (it closes
-over nothing traced, and `q_start` is an int), each query block's range of key blocks
-holding a visible key is computed from those values at this call
-(`jax_mha.paths.engine.mask_mod_ranges`, kept under a key of the traced computation and the
-values, never of the function object; FlexAttention's block mask, reduced to one
-range per query block), so the key loop is as short as the widest range and a
-`mask_mod` window runs like `local_window_size`; inside the range each block is tested
-on its own index grid and skipped when empty. A `mask_mod` closing over traced values
-(document ids passed into a jitted function, a vmapped argument) gets only that
-per-block test: every block of the band is tested, none is ruled out beforehand. With
-no block sizes given, the blocks follow its span (`mask_mod_span`).
+A mask function (FlexAttention's) is evaluated block by block, never as an `(N, S)`
+array; when the values it reads are known before the call runs, each query block's
+range of key blocks is computed from them first, so the key loop is as short as the
+widest range and a window written as a mask function runs like `local_window_size`
+(`jax_mha.paths.engine`, "Mask functions"). With no block sizes given, the blocks
+follow its span (`jax_mha.paths.engine.mask_span`).
 
 Segment ids (packed sequences): a key block is skipped when the range
 `[min, max]` of its keys' ids does not meet the query block's range. For sorted ids
@@ -39,14 +33,12 @@ has them in `DEVICE_BLOCKS` (a GPU: 1024 x 1024 with a pattern).
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 
 from jax_mha._masking import Visibility
 from jax_mha._path import EVERY_PART, Path
-from jax_mha._softmax import with_sinks
-from jax_mha.paths.engine import check_description, mask_mod_ranges, run_engine
+from jax_mha._softmax import close
+from jax_mha.paths.engine import check_description, mask_span, run_engine
 
 QUERY_BLOCK_SIZE, KEY_BLOCK_SIZE = 2048, 256  # without a pattern to skip by
 PATTERN_BLOCK_SIZE = 512  # square blocks with a causal or window pattern
@@ -65,23 +57,6 @@ def _pow2_at_least(x: int) -> int:
     return 1 << max(int(x) - 1, 0).bit_length()
 
 
-def mask_mod_span(vis: Visibility, n: int, s: int):
-    """`(span, sparse)` of a `mask_mod`, or None when its block ranges cannot be known
-    before the call runs (it closes over a traced value, or `q_start` is traced): the
-    widest run of keys (in 128-key blocks, minus one block) a 128-row query block
-    sees, and whether under 3/4 of the blocks hold a visible key. The mask function
-    is evaluated 128 rows at a time on the values it reads at this call
-    (`jax_mha.paths.engine.mask_mod_ranges`)."""
-    bq, bk = min(NARROW_MIN_BLOCK, n), min(NARROW_MIN_BLOCK, s)
-    n_pad, s_pad = -(-n // bq) * bq, -(-s // bk) * bk
-    ranges = mask_mod_ranges(vis.mask_mod, math.prod(vis.batch_shape), vis.num_heads, n, s, n_pad, s_pad, bq, bk,
-                             0 if vis.q_start is None else vis.q_start)
-    if ranges is None:
-        return None
-    widths = [hi - lo for lo, hi in ranges]
-    return max(0, max(widths) - 1) * bk, sum(widths) < 0.75 * len(ranges) * (s_pad // bk)
-
-
 def default_blocks(is_causal: bool, window, span=None, platform: str = "cpu") -> tuple[int, int]:
     """`(query_block_size, key_block_size)` when the caller gives none.
 
@@ -90,7 +65,7 @@ def default_blocks(is_causal: bool, window, span=None, platform: str = "cpu") ->
     0 when causal, is under `NARROW_WINDOW` keys; between 128 and 512): a query block
     then visits about `2w` keys where it needs `w + q_block` (measured in
     docs/performance.md).
-    `span`: `mask_mod_span`'s `(span, sparse)` for a mask function, read the same way
+    `span`: `engine.mask_span`'s `(span, sparse)` for a mask function, read the same way
     (a narrow span gets square blocks of about its width, a sparse one 512 x 512).
     `platform`: where the call runs; `DEVICE_BLOCKS` replaces the unpatterned and
     patterned sizes there.
@@ -129,8 +104,8 @@ def run_blockwise(q, k, v, vis: Visibility, *, scale: float, query_block_size=No
     check_description(vis)
     n, s = q.shape[-2], k.shape[-2]
     span = None
-    if vis.mask_mod is not None and (query_block_size is None or key_block_size is None):
-        span = mask_mod_span(vis, n, s)
+    if query_block_size is None or key_block_size is None:
+        span = mask_span(vis, n, s, NARROW_MIN_BLOCK)
     q_default, k_default = default_blocks(vis.is_causal, vis.window, span, platform)
     q_block = q_default if query_block_size is None else query_block_size
     k_block = k_default if key_block_size is None else key_block_size
@@ -139,12 +114,12 @@ def run_blockwise(q, k, v, vis: Visibility, *, scale: float, query_block_size=No
 
 def run(q, k, v, bad_kv, vis: Visibility, call, *, scale: float, blocks, **_):
     """The `"blockwise"` path (`Path.run`): `run_blockwise` with `blocks`
-    `(query_block_size, key_block_size)`, each None for the default, and the sinks
-    merged in."""
+    `(query_block_size, key_block_size)`, each None for the default, the rows closed
+    (`_softmax.close`)."""
     out, lse, touched = run_blockwise(q, k, v, vis, query_block_size=blocks[0], key_block_size=blocks[1],
                                       scale=scale, bad_kv=bad_kv, platform=call.platform)
     empty = lse == jnp.inf  # the engine's mark of a row with no visible key
-    out, lse = with_sinks(out, jnp.where(empty, -jnp.inf, lse), vis.sinks)
+    out, lse = close(out, jnp.where(empty, -jnp.inf, lse), vis)
     return out, None, lse, empty, touched
 
 

@@ -14,7 +14,7 @@ natively and which through that dense mask:
   window `(left, 0)`) and no lengths come with it (jax's own tests cover cuDNN's
   sliding window without a padding mask only); otherwise the pattern is evaluated
   into the dense mask;
-* segment ids, a boolean mask and `mask_mod` always go through the dense mask: jax.nn
+* segment ids, a boolean mask and a mask function always go through the dense mask: jax.nn
   exposes no segment ids or sequence offsets (its cuDNN call's `q_offsets` are
   private and Hopper-only);
 * the dense mask (and a bias) is built only up to `DENSE_MAX_ELEMENTS`; `refusal`
@@ -39,7 +39,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_mha._masking import Call, Visibility, Window, dense_allowed
+from jax_mha._masking import MASK_PARTS, PARTS, Call, Visibility, Window, dense_allowed, parts
 from jax_mha._path import Path, fallback
 from jax_mha.paths.kernel_common import kernel_run, this_gpu
 
@@ -67,7 +67,9 @@ class Plan(NamedTuple):
 
 def plan(vis: Visibility) -> Plan:
     """Which parts of `vis` go to jax.nn's cuDNN call natively, which as a dense mask."""
-    dense = [name for name, part in (("a boolean mask", vis.mask), ("mask_mod", vis.mask_mod)) if part is not None]
+    # What only the dense mask carries: the mask parts but the pattern jax.nn may take natively.
+    dense = ["a boolean mask" if name == "mask" else PARTS[name].describe(vis) for name in parts(vis, Call(None, None, None))
+             if name in MASK_PARTS - {"window", "kv_lengths", "q_lengths", "segment_ids"}]
     if vis.segmented:
         dense.append("segment ids (jax.nn takes no segment ids or offsets)")
     window = vis.window if vis.window != Window(None, None) else None
@@ -182,10 +184,10 @@ def cudnn_attention(q, k, v, vis: Visibility, *, scale, interpret: bool = False)
     return jnp.swapaxes(out[:, :n], -3, -2).reshape(*batch, h, n, d)
 
 
-# cuDNN takes the pattern, lengths and (as one dense mask) masks, mask functions and
-# segment ids; nothing that changes the logits but a bias.
+# cuDNN takes who may attend (natively, or as one dense mask) at the default offset;
+# nothing that changes the logits but a bias.
 PATH = Path("cudnn", kernel_run(cudnn_attention), platforms=("gpu",), limits=limits, lowers=lowers,
-            takes=frozenset({"bias", "mask", "mask_mod", "window", "kv_lengths", "q_lengths", "segment_ids"}))
+            takes=MASK_PARTS | {"bias"})
 refusal = PATH.refusal
 
 __all__ = ["DENSE_MAX_ELEMENTS", "PATH", "Plan", "cudnn_attention", "plan", "refusal", "this_gpu"]

@@ -14,8 +14,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_mha import _masking
-from jax_mha._masking import compute_dtype, soft_cap
+from jax_mha import _masking, _softmax
+from jax_mha._masking import compute_dtype
 from jax_mha._path import Path
 from jax_mha.paths import blockwise
 
@@ -37,7 +37,7 @@ def whole_scores_fit(q, k) -> bool:
 
 
 def reference_weights(q, k, allowed=None, bias=None, *, scale: float, rows_see_keys: bool = False, score_fn=None,
-                      logits_soft_cap=None, sinks=None, return_lse: bool = False):
+                      score_masks: bool = True, return_lse: bool = False):
     """Softmax weights with the whole `(B…, H, N, S)` built.
 
     Args:
@@ -50,18 +50,16 @@ def reference_weights(q, k, allowed=None, bias=None, *, scale: float, rows_see_k
         key (`Visibility.every_row_sees_a_key`); without a bias the empty-row
         bookkeeping is then skipped (its reductions are a visible part of a small training step).
       score_fn: `logits (B…, H, N, S) -> logits`, applied after the bias (the
-        description's `score_mod` bound to its index arrays), or None.
-      logits_soft_cap: c: `c · tanh(logits / c)` after `score_fn`, or None.
-      sinks: float `(H,)`, one logit per head for a virtual key of value zero (it
-        takes a share of each row's softmax), or None.
+        description's `score_logits` bound to its index arrays), or None.
+      score_masks: `score_fn` may return `-inf`, which masks its key (a `score_mod`
+        may; a soft cap alone never does).
       return_lse: also return each row's log-sum-exp.
 
     Returns:
       `(weights (B…, H, N, S), empty (B…, H, N))`, and `lse (B…, H, N)` when
       `return_lse`; weights in float32 (float64 for float64 inputs). `empty` marks
-      rows with no key left (all masked, or every logit -inf); their weights are 0.
-      `lse` is the log of the softmax denominator, the sink's term included: -inf on
-      an empty row without sinks.
+      rows with no key left (all masked, or every logit -inf); their weights are 0,
+      their lse -inf.
     """
     dtype = compute_dtype(q.dtype)
     k = jnp.repeat(k, q.shape[-3] // k.shape[-3], axis=-3)  # (B…, H, S, D)
@@ -72,19 +70,19 @@ def reference_weights(q, k, allowed=None, bias=None, *, scale: float, rows_see_k
     if score_fn is not None:
         logits = score_fn(logits)
     ok = allowed
-    if bias is not None or score_fn is not None:  # a -inf bias masks a key, as PyTorch users write masks
+    masks = bias is not None or (score_fn is not None and score_masks)
+    if masks:  # a -inf bias masks a key, as PyTorch users write masks
         ok = logits != -jnp.inf if ok is None else ok & (logits != -jnp.inf)
-    logits = soft_cap(logits, logits_soft_cap)
-    if sinks is not None or return_lse:
+    if return_lse:
         masked = logits if ok is None else jnp.where(ok, logits, -jnp.inf)
-        weights, lse = softmax_with_sinks(masked, sinks)
+        weights, lse = softmax_with_lse(masked)
         empty = jnp.broadcast_to(False if ok is None else ~jnp.any(ok, axis=-1), logits.shape[:-1])
-        return (weights, empty, lse) if return_lse else (weights, empty)
+        return weights, empty, lse
     no_empty_rows = jnp.zeros(logits.shape[:-1], bool)
     if ok is None:
         return jax.nn.softmax(logits, axis=-1), no_empty_rows
     masked = jnp.where(ok, logits, -jnp.inf)  # select, so a NaN where masked stays out
-    if rows_see_keys and bias is None and score_fn is None:  # a -inf bias could still empty a row
+    if rows_see_keys and not masks:  # a -inf bias could still empty a row
         return jax.nn.softmax(masked, axis=-1), no_empty_rows
     empty = ~jnp.any(ok, axis=-1, keepdims=True)
     weights = jnp.where(empty, 0.0, jax.nn.softmax(jnp.where(empty, 0.0, masked), axis=-1))
@@ -92,24 +90,17 @@ def reference_weights(q, k, allowed=None, bias=None, *, scale: float, rows_see_k
     return weights, empty
 
 
-def softmax_with_sinks(masked, sinks=None):
-    """Softmax over the last axis of logits `masked (B…, H, N, S)` (-inf where masked)
-    with one more, virtual key per head of logit `sinks[h]` (float `(H,)`, or None)
-    whose weight is not returned.
+def softmax_with_lse(masked):
+    """Softmax over the last axis of logits `masked (B…, H, N, S)` (-inf where masked).
 
     Returns:
       `(weights (B…, H, N, S), lse (B…, H, N))`: a row with nothing visible has zero
-      weights and, without sinks, lse -inf.
+      weights and lse -inf.
     """
     m = jnp.max(masked, axis=-1, keepdims=True)
-    if sinks is not None:
-        sink = jax.lax.broadcast_to_rank(sinks.astype(masked.dtype)[:, None, None], masked.ndim)  # (…, H, 1, 1)
-        m = jnp.maximum(m, sink)
     m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))  # any shift gives the same softmax
     e = jnp.exp(masked - m)
     total = jnp.sum(e, axis=-1, keepdims=True)
-    if sinks is not None:
-        total = total + jnp.exp(sink - m)
     seen = total > 0
     weights = e / jnp.where(seen, total, 1.0)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
@@ -137,27 +128,28 @@ def dense_attention(q, k, v, bad_kv, vis: _masking.Visibility, *, scale: float, 
 
     Returns:
       `(out (B…, H, N, Dv), weights (B…, H, N, S), lse (B…, H, N), empty (B…, H, N),
-      touched (B…, H, N))` in the compute dtype: `lse` each row's log-sum-exp (sinks
-      included), `empty` rows see no key, `touched` rows see a bad key.
+      touched (B…, H, N))` in the compute dtype: `lse` each row's log-sum-exp (closed
+      as the description says, `_softmax.close`), `empty` rows see no key, `touched` rows see a bad key.
     """
     allowed = _masking.dense_allowed(vis, q.ndim)
     bias = None if vis.bias is None else jax.lax.broadcast_to_rank(vis.bias, q.ndim)
     score_fn = None
-    if vis.score_mod is not None:
+    if vis.changes_scores:
         heads = _masking.dense_heads(vis, q.ndim)
         rows, cols = jnp.arange(vis.n)[:, None], jnp.arange(vis.s)[None, :]
-        without_cap = _masking.Visibility(vis.n, vis.s, score_mod=vis.score_mod, q_start=vis.q_start)
-        score_fn = lambda x: _masking.score_logits(without_cap, x, heads, rows, cols)
+        score_fn = lambda x: _masking.score_logits(vis, x, heads, rows, cols)
+    closing = _softmax.closes_rows(vis)  # each row's denominator has a term beyond its keys
     weights, empty, *lse = reference_weights(q, k, allowed, bias, scale=scale,
                                              rows_see_keys=vis.every_row_sees_a_key, score_fn=score_fn,
-                                             logits_soft_cap=vis.logits_soft_cap, sinks=vis.sinks,
-                                             return_lse=return_lse)
+                                             score_masks=vis.score_mod is not None, return_lse=return_lse or closing)
     lse = lse[0] if lse else None
     if dropout_rate > 0.0:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
         weights = jnp.where(keep, weights / jnp.asarray(1.0 - dropout_rate, weights.dtype), 0.0)
     groups = q.shape[-3] // k.shape[-3]
     out = mix(weights, v)  # (B…, H, N, Dv)
+    if closing:
+        out, weights, lse = _softmax.close(out, lse, vis, weights)
     sees_bad = jnp.repeat(bad_kv, groups, axis=-2)[..., None, :]  # (B…, H, 1, S)
     touched = jnp.any(sees_bad if allowed is None else allowed & sees_bad, axis=-1)
     return out, weights, lse, empty, jnp.broadcast_to(touched, empty.shape)

@@ -39,6 +39,17 @@ Masked scores are -inf, selected with `where`; a row with no visible key has
 value outputs NaN; the value matmuls see only finite values, so a NaN in a masked
 value never reaches another row.
 
+Mask functions. A `mask_mod` is evaluated block by block, never as an `(N, S)` array.
+When every value it reads is known before the call runs (it closes over nothing
+traced, and `q_start` is an int), each query block's range of key blocks holding a
+visible key is computed from those values at this call (`mask_mod_ranges`, kept under
+a key of the traced computation and the values, never of the function object;
+FlexAttention's block mask, reduced to one range per query block), so the key loop is
+as short as the widest range; inside the range each block is tested on its own index
+grid and skipped when empty. A `mask_mod` closing over traced values (document ids
+passed into a jitted function, a vmapped argument) gets only that per-block test:
+every block of the band is tested, none is ruled out beforehand.
+
 Query row 0 sits at key position `offset` and the mods see it as `q_idx = start`
 (`Visibility.q_offset`, `q_start`): static ints in the plan, or traced int32
 scalars in `Arrays` (decoding passes the cache index); a traced offset makes the
@@ -50,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import math
 from typing import NamedTuple
 
 import jax
@@ -67,6 +79,7 @@ from jax_mha._masking import (
     key_block_range,
     key_range,
     score_logits,
+    static_part,
 )
 from jax_mha._softmax import fold_block, logits_grad, output_delta
 from jax_mha.paths.linear_map import linear_call
@@ -130,7 +143,7 @@ class Plan(NamedTuple):
     # `score_mod(score, b, h, q_idx, kv_idx, *Arrays.score_consts)`, likewise mask_mod.
     score_mod: Mod | None = None
     mask_mod: Mod | None = None
-    soft_cap: float | None = None
+    static: Visibility | None = None  # the description without arrays or mods (`_masking.static_part`)
     mask_ranges: tuple | None = None  # per query block, mask_mod's key blocks [first, last)
     q_band: int = 1  # the most query blocks (of one head) any key block is seen by
     offset: int | None = None  # key position of query row 0; None: traced (`Arrays.offset`)
@@ -191,11 +204,10 @@ def _visibility(plan: Plan, a: Arrays, score_consts=None, transposed: bool = Fal
     derivatives); `transposed` gives the mods traced for transposed blocks."""
     consts = a.score_consts if score_consts is None else score_consts
     score_mod, mask_mod = (plan.score_mod_t, plan.mask_mod_t) if transposed else (plan.score_mod, plan.mask_mod)
-    return Visibility(plan.n, plan.s, plan.is_causal, plan.window, mask=a.mask, q_lengths=a.q_len,
-                      kv_lengths=a.kv_len, q_offset=a.offset if plan.offset is None else plan.offset,
-                      q_start=a.start if plan.start is None else plan.start,
-                      score_mod=_bound(score_mod, consts), mask_mod=_bound(mask_mod, a.mask_consts),
-                      logits_soft_cap=plan.soft_cap)
+    return dataclasses.replace(plan.static, mask=a.mask, q_lengths=a.q_len, kv_lengths=a.kv_len,
+                               q_offset=a.offset if plan.offset is None else plan.offset,
+                               q_start=a.start if plan.start is None else plan.start,
+                               score_mod=_bound(score_mod, consts), mask_mod=_bound(mask_mod, a.mask_consts))
 
 
 def _segment_block(a: Arrays, plan: Plan, i0, j0, transposed: bool = False):
@@ -329,6 +341,25 @@ def mask_mod_ranges(mask_mod, batch: int, heads: int, n: int, s: int, n_pad: int
     return _RANGES[key]
 
 
+def mask_span(vis: Visibility, n: int, s: int, block: int):
+    """`(span, sparse)` of the description's `mask_mod`, or None without one or when
+    its block ranges cannot be known before the call runs (`mask_mod_ranges`): the
+    widest run of keys (in `block`-key blocks, minus one block) a `block`-row query
+    block sees, and whether under 3/4 of the blocks hold a visible key. Evaluated
+    `block` rows at a time on the values the mask reads at this call; the blockwise
+    path's default blocks follow it."""
+    if vis.mask_mod is None:
+        return None
+    bq, bk = min(block, n), min(block, s)
+    n_pad, s_pad = -(-n // bq) * bq, -(-s // bk) * bk
+    ranges = mask_mod_ranges(vis.mask_mod, math.prod(vis.batch_shape), vis.num_heads, n, s, n_pad, s_pad, bq, bk,
+                             0 if vis.q_start is None else vis.q_start)
+    if ranges is None:
+        return None
+    widths = [hi - lo for lo, hi in ranges]
+    return max(0, max(widths) - 1) * bk, sum(widths) < 0.75 * len(ranges) * (s_pad // bk)
+
+
 # ---------------------------------------------------------------------------------
 # One block: scores, the mods and their derivatives.
 # ---------------------------------------------------------------------------------
@@ -338,7 +369,7 @@ def _logits_fn(plan: Plan, a: Arrays, g, rows, cols, transposed: bool = False):
     """`(post, floats)`: `post(s, *float consts)` applies score_mod and the soft-cap
     to one block of scaled, biased scores; `floats` are the indices of score_mod's
     floating consts. None when there is nothing to apply."""
-    if plan.score_mod is None and plan.soft_cap is None:
+    if plan.score_mod is None and not plan.static.changes_scores:
         return None, []
     heads = _mod_heads(plan, a, g)
     floats = [i for i, c in enumerate(a.score_consts) if jnp.issubdtype(jnp.result_type(c), jnp.floating)]
@@ -662,7 +693,7 @@ def _tangent_block(plan: Plan, a: Arrays, da: Arrays, band: KeyBand, q_i, dq_i, 
         ds = dbias.astype(_F(plan)) if ds is None else ds + dbias.astype(_F(plan))
     s, allowed, ds = _scores_and_tangent(plan, a, q_i, k_j, g, i0, j * bk, ds, da.score_consts or None)
     p = jnp.exp(s - lse_i[..., None])  # the softmax weights; 0 where masked or empty
-    if ds is not None and (plan.score_mod is not None or plan.soft_cap is not None):
+    if ds is not None and (plan.score_mod is not None or plan.static.changes_scores):
         ds = jnp.where(s == -jnp.inf, 0.0, ds)  # a mod's tangent at a -inf logit never meets p = 0
     rows = q_i.shape[:3]
     mixed = jnp.zeros(rows + (a.v.shape[-1],), _F(plan))
@@ -1091,7 +1122,7 @@ def _convert_mods(vis: Visibility, plan: Plan, b: int, kv_heads: int):
     custom derivative, so gradients reach them; the others ride along. The traced
     mod is specialised to the argument shapes, which are the same for every block of
     a plan: the score block `(B|1, K|1, bq, bk)` and the index arrays of rank 4."""
-    plan = plan._replace(soft_cap=vis.logits_soft_cap)
+    plan = plan._replace(static=static_part(vis))
     if vis.score_mod is None and vis.mask_mod is None:
         return plan, (), ()
     lead = (1, 1) if plan.per_head else (b, kv_heads)

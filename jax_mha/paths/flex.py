@@ -16,7 +16,7 @@ and folds them in with the one online-softmax step (`_softmax.online_step`).
   the real lengths.
 * Outputs: `out (b, H, N, Dv)`, the row log-sum-exp `lse (b, H, N)` float32 (-inf on a
   row with nothing visible) and `touched (b, H, N)` (a row saw a key marked bad).
-  Sinks are merged after the kernel from its lse (`_softmax.with_sinks`).
+  The rows are closed after the kernel, from its lse (`_softmax.close`).
 * Backward (FlashAttention-2): `Δ = rowsum(g ⊙ out) - g_lse`; a dq program per query
   block (it also writes the bias gradient's blocks and adds the gradients of the
   floating values `score_mod` read), a dk/dv program per key block that walks the
@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_mha import _masking
+from jax_mha._masking import EVERY_PART
 from jax_mha._softmax import logits_grad, online_step, output_delta
 from jax_mha.paths import kernel_mods, schedules
 from jax_mha.paths.engine import Mod, trace_mod
@@ -50,9 +51,9 @@ MIN_BLOCK = 16  # the smallest tile Triton's tl.dot takes
 # On a TPU: keys by 128, the lanes of a vreg (the minor axis of every score tile), and
 # queries by 128 (splash's smallest block), or N rounded up to 16 (a bfloat16 sublane tile).
 TPU_BLOCK, TPU_MIN_Q_BLOCK = 128, 16
-# The parts of a call (`jax_mha._path.PARTS`) the kernel expresses.
-TAKES = frozenset({"bias", "score_mod", "mask_mod", "logits_soft_cap", "sinks", "window", "kv_lengths", "q_lengths",
-                   "segment_ids", "query_offset", "traced_offset", "return_residual"})
+# The parts of a call (`jax_mha._masking.PARTS`) the kernel expresses: all but those that
+# need the whole weights, or a dense mask (an (N, S) array it would read block by block).
+TAKES = EVERY_PART - {"return_weights", "dropout", "mask"}
 _NT = (((1,), (1,)), ((), ()))  # a · bᵀ
 _TN = (((0,), (0,)), ((), ()))  # aᵀ · b
 
@@ -645,7 +646,7 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 def attend(q, k, v, bad_kv, vis: _masking.Visibility, *, scale: float, q_block: int, k_block: int,
            interpret: bool | str, backend: str):
     """The kernel on q `(B…, H, N, D)`, k `(B…, K, S, D)`, v `(B…, K, S, Dv)` (finite)
-    under `vis` (its sinks excepted: merged by the caller), `bad_kv` bool `(B…, K, S)`;
+    under `vis` (its rows closed by the caller, `_softmax.close`), `bad_kv` bool `(B…, K, S)`;
     `interpret` False (compiled), True (Pallas' interpret mode, the whole-array form) or
     `"tpu"` (backend "mosaic": its TPU form in TPU interpret mode).
 

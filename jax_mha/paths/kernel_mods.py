@@ -1,4 +1,4 @@
-"""`score_mod` and `mask_mod` inside a Pallas kernel body.
+"""The description's mods (`jax_mha._masking.MODS`) inside a Pallas kernel body.
 
 A mod is traced once for the kernel's tiles (`engine.trace_mod`): its jaxpr, and the
 arrays it closes over as `consts`. The kernel receives each const as a whole-array

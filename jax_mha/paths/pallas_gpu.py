@@ -4,16 +4,17 @@ interpret mode on a CPU.
 
 It takes the whole description but a dense mask: causality and two-sided windows at
 any query offset (a traced one too: decoding from a cache index under jit), q/kv lengths, segment ids (queries' and keys' apart, traced
-or not), `score_mod` and `mask_mod` (traced into the kernel on index tiles; what they
+or not), the mods (`_masking.MODS`, traced into the kernel on index tiles; what they
 close over is read where they index it), an additive bias (with its gradient), the
-logit soft cap, sinks (merged from the kernel's log-sum-exp) and `return_residual`.
+logit soft cap, what adds to every row's denominator (`_softmax.close`, from the
+kernel's log-sum-exp) and `return_residual`.
 GQA is native. Blocks: `flex.blocks` (64 queries by 64 keys, fewer for short
 sequences: Triton's tiles are powers of two, at least 16); N and S are padded to whole
 blocks inside, never to a power of two.
 
 Refused (the path's refusal, one line naming the part; one-query decoding steps go to
 its decode kernel, `pallas_gpu_decode`, where it takes them): a dense mask (give it as
-`mask_mod` or a bias), return_weights, dropout;
+a mask function or a bias), return_weights, dropout;
 by `limits`: float64 (the kernel's softmax is float32), mixed dtypes, kv heads not
 dividing the query heads, and on a GPU head dims above `MAX_HEAD_DIM`.
 
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 
 from jax_mha import _masking
 from jax_mha._path import Path, fallback
-from jax_mha._softmax import with_sinks
+from jax_mha._softmax import close
 from jax_mha.paths import flex
 from jax_mha.paths.kernel_common import next_pow2, pallas_limits
 
@@ -56,7 +57,7 @@ blocks = flex.blocks
 
 
 def run(q, k, v, bad_kv, vis: _masking.Visibility, call: _masking.Call, *, scale: float, **_):
-    """The path's `run` (`jax_mha._path.Path`): the kernel, then the sinks merged."""
+    """The path's `run` (`jax_mha._path.Path`): the kernel, then its rows closed (`_softmax.close`)."""
     interpret = call.platform == "cpu"
     dv = v.shape[-1]
     if not interpret:  # Triton's tiles: head dims a power of two, at least 16 (zeros add nothing)
@@ -67,7 +68,7 @@ def run(q, k, v, bad_kv, vis: _masking.Visibility, call: _masking.Call, *, scale
         out, lse, touched = flex.attend(q, k, v, bad_kv, vis, scale=scale, q_block=q_block, k_block=k_block,
                                          interpret=interpret, backend="triton")
     empty = lse == -jnp.inf
-    out, lse = with_sinks(out[..., :dv].astype(_masking.compute_dtype(q.dtype)), lse, vis.sinks)
+    out, lse = close(out[..., :dv].astype(_masking.compute_dtype(q.dtype)), lse, vis)
     return out, None, lse, empty, touched
 
 

@@ -1,7 +1,7 @@
 """`implementation="pallas_tpu"`: the one attention description translated to splash
 attention (`jax.experimental.pallas.ops.tpu.splash_attention`, the kernel MaxText uses)
 for what splash takes (`SPLASH_TAKES`), and the library's own kernel (`flex`, its Mosaic
-form) for the composed calls splash cannot take: an additive bias, score_mod/mask_mod,
+form) for the composed calls splash cannot take: an additive bias, the mods,
 `return_residual=True` (the log-sum-exp), a traced query offset, with 128 x 128 blocks
 (`flex.tpu_blocks`). Compiled for a TPU, a mod that reads an array it closes over at an
 index computed from its arguments (a relative-position table, `table[h, bucket(kv - q)]`:
@@ -59,7 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_mha import _masking
 from jax_mha._path import Path, fallback, parts
-from jax_mha._softmax import with_sinks
+from jax_mha._softmax import close
 from jax_mha.paths import flex
 from jax_mha.paths.kernel_common import (
     flat_batch,
@@ -322,7 +322,7 @@ def _run(q, k, v, bad_kv, vis: _masking.Visibility, call: _masking.Call, *, scal
         out, lse, touched = flex.attend(q, k, v, bad_kv, vis, scale=scale, q_block=q_block, k_block=k_block,
                                          interpret=call.platform == "cpu", backend="mosaic")
     empty = lse == -jnp.inf
-    out, lse = with_sinks(out.astype(_masking.compute_dtype(q.dtype)), lse, vis.sinks)
+    out, lse = close(out.astype(_masking.compute_dtype(q.dtype)), lse, vis)
     return out, None, lse, empty, touched
 
 

@@ -61,15 +61,16 @@ def _values(rng):
 def _ours(case, interpret, q_block=None, sinks=False):
     """`f(q, k, v, values) -> (out, lse)`: the kernel under `case`'s description,
     sinks merged after it as `pallas_tpu` does."""
-    from jax_mha._softmax import with_sinks
+    from jax_mha._softmax import close
 
     def f(q, k, v, values):
         vis_kw, _ = _case(case, values)
-        vis = _masking.Visibility(N, S, batch_shape=(B,), num_heads=H, **{"is_causal": False, **vis_kw})
+        vis = _masking.Visibility(N, S, batch_shape=(B,), num_heads=H, sinks=values["sinks"] if sinks else None,
+                                  **{"is_causal": False, **vis_kw})
         bq, bk = flex.tpu_blocks(N) if q_block is None else (q_block, flex.TPU_BLOCK)
         out, lse, _ = flex.attend(q, k, v, jnp.zeros((B, K, S), bool), vis, scale=D ** -0.5, q_block=bq, k_block=bk,
                                   interpret=interpret, backend="mosaic")
-        return with_sinks(out, lse, values["sinks"] if sinks else None)
+        return close(out, lse, vis)
     return f
 
 
