@@ -76,13 +76,12 @@ class _Ring(NamedTuple):
     heads: int  # H, global
     is_causal: bool
     window: _masking.Window | None
-    static: Visibility  # the description without its arrays and mods (`_masking.static_part`)
+    # The description without its arrays (`_masking.static_part`), its mods with every
+    # closed-over array hoisted out (`_hoist`), called with them last:
+    # `score_mod(score, b, h, q_idx, kv_idx, *score_consts)`, the mask's with `mask_consts`.
+    static: Visibility
     scale: float
     dtype: str  # accumulation dtype
-    # The mods with every closed-over array hoisted out (`_hoist`):
-    # `score_mod(score, b, h, q_idx, kv_idx, *score_consts)`, likewise mask_mod.
-    score_mod: Callable | None
-    mask_mod: Callable | None
     score_floats: tuple  # indices of the floating score consts (they get gradients)
 
 
@@ -130,9 +129,9 @@ def _visibility(ring: _Ring, a: _Arrays, score_consts: tuple | None = None) -> V
     """The description of the global problem (N = S) with this device's lengths
     `(B, 1, 1, 1)` (tile rank 4) and the hoisted mods bound to their consts."""
     lengths = lambda x: None if x is None else x.reshape(-1, 1, 1, 1)
-    consts = a.score_consts if score_consts is None else score_consts
-    return dataclasses.replace(ring.static, q_lengths=lengths(a.q_len), kv_lengths=lengths(a.kv_len),
-                               score_mod=_bound(ring.score_mod, consts), mask_mod=_bound(ring.mask_mod, a.mask_consts))
+    consts = (a.score_consts if score_consts is None else score_consts, a.mask_consts)  # in `_masking.MODS` order
+    mods = {name: _bound(getattr(ring.static, name), c) for name, c in zip(_masking.MODS, consts)}
+    return dataclasses.replace(ring.static, q_lengths=lengths(a.q_len), kv_lengths=lengths(a.kv_len), **mods)
 
 
 def _positions(ring: _Ring, device) -> jax.Array:
@@ -144,7 +143,7 @@ def _positions(ring: _Ring, device) -> jax.Array:
 def _device(ring: _Ring, a: _Arrays) -> _Device:
     index = lax.axis_index(ring.axis_name).astype(jnp.int32)
     heads = None
-    if ring.score_mod is not None or ring.mask_mod is not None:
+    if ring.static.has_mods:
         b, h = a.q.shape[:2]
         first = lambda axis, count: 0 if axis is None else lax.axis_index(axis).astype(jnp.int32) * count
         heads = ((first(ring.batch_axis, b) + jnp.arange(b, dtype=jnp.int32)).reshape(b, 1, 1, 1),
@@ -228,7 +227,7 @@ def _logits_and_pullback(ring: _Ring, a: _Arrays, dev: _Device, x, tile: _Tile):
     """`(logits, pullback)`: the mods on raw scores `x`, and the VJP that takes a
     cotangent of the logits to `(d x, *d floating score consts)`; pullback None when
     there are no mods (the logits are `x`)."""
-    if ring.score_mod is None and not ring.static.changes_scores:
+    if not ring.static.changes_scores:
         return x, None
     rows, cols = tile.rows_cols()
 
@@ -535,7 +534,7 @@ def refusal(vis: Visibility, call: Call) -> str | None:
     if not parts:
         return None
     return (f"ring attention (jax_mha.parallel.ring) cannot take {', '.join(parts)}: a dense (B, H, N, N) array or the "
-            f"weights would defeat the split; express a mask as mask_mod or segment ids and a bias as score_mod")
+            f"weights would defeat the split; express a mask as a mask function or segment ids, and a bias as a score function")
 
 
 def _check_mesh(mesh: Mesh, axis_name, batch_axis_name, head_axis_name) -> None:
@@ -625,12 +624,14 @@ def _plan(vis: Visibility, q, k, v, bad_kv, *, mesh, axis_name, scale, query_chu
     dtype = _masking.compute_dtype(q.dtype)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     idx = (i32(b_here, 1, 1, 1), i32(1, h_here, 1, 1), i32(1, 1, chunk, 1), i32(1, 1, 1, chunk))
-    score_mod, score_consts = _hoist(vis.score_mod, jax.ShapeDtypeStruct((b_here, h_here, chunk, chunk), dtype), *idx)
-    mask_mod, mask_consts = _hoist(vis.mask_mod, *idx)
+    leading = {"score_mod": (jax.ShapeDtypeStruct((b_here, h_here, chunk, chunk), dtype),)}  # the score tile
+    hoisted = {name: _hoist(getattr(vis, name), *leading.get(name, ()), *idx) for name in _masking.MODS}
+    score_consts, mask_consts = (hoisted[name][1] for name in _masking.MODS)
+    static = dataclasses.replace(_masking.static_part(vis), **{name: fn for name, (fn, _) in hoisted.items()})
     floats = tuple(i for i, x in enumerate(score_consts) if jnp.issubdtype(x.dtype, jnp.floating))
     ring = _Ring(mesh, axis_name, batch_axis_name, head_axis_name, size, _steps(vis, size, local, striped), local,
-                 striped, chunk, n, b, h, vis.is_causal, vis.window, _masking.static_part(vis), float(scale),
-                 jnp.dtype(dtype).name, score_mod, mask_mod, floats)
+                 striped, chunk, n, b, h, vis.is_causal, vis.window, static, float(scale), jnp.dtype(dtype).name,
+                 floats)
     lengths = lambda x: None if x is None else jnp.broadcast_to(x.reshape(-1), (b,))
     ids = lambda x: None if x is None else jnp.broadcast_to(x.reshape(x.shape[0], n), (b, n))
     a = _Arrays(q, k, v, lengths(vis.q_lengths), lengths(vis.kv_lengths), ids(vis.q_segment_ids),

@@ -42,7 +42,7 @@ from jax_mha.paths.engine import check_description, mask_span, run_engine
 
 QUERY_BLOCK_SIZE, KEY_BLOCK_SIZE = 2048, 256  # without a pattern to skip by
 PATTERN_BLOCK_SIZE = 512  # square blocks with a causal or window pattern
-NARROW_WINDOW = 1024  # a window spanning fewer keys than this gets square blocks of its span
+NARROW_WINDOW = 1024  # a window spanning fewer keys than this gets square blocks by its span
 NARROW_MIN_BLOCK = 128  # narrower blocks make matmuls too small to run efficiently on CPU
 # `(unpatterned, patterned)` blocks by platform where a sweep on that device
 # (`experiments/engine_blocks.py`) chose other sizes than the CPU's above. GPU, from the
@@ -53,20 +53,25 @@ DEVICE_BLOCKS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
 }
 
 
-def _pow2_at_least(x: int) -> int:
-    return 1 << max(int(x) - 1, 0).bit_length()
+def _narrow_side(width: int) -> int:
+    """The square block of a band `width` keys wide (under `NARROW_WINDOW`): the
+    smallest block while a query block and the band fit two key blocks' span, else
+    the patterned block. Measured at N = 16,384 (docs/performance.md, "Sliding
+    windows"): a (256, 0) window ran forward+backward in 0.7x the time with 128-key
+    blocks that it took with 256-key blocks, and 256-key blocks were the slowest for
+    (512, 0) too."""
+    return NARROW_MIN_BLOCK if width <= 2 * NARROW_MIN_BLOCK else PATTERN_BLOCK_SIZE
 
 
 def default_blocks(is_causal: bool, window, span=None, platform: str = "cpu") -> tuple[int, int]:
     """`(query_block_size, key_block_size)` when the caller gives none.
 
-    2048 x 256 without a pattern, 512 x 512 when causal or windowed; for a narrow band,
-    square blocks of about its span `w` (a window whose left + right, right counted as
-    0 when causal, is under `NARROW_WINDOW` keys; between 128 and 512): a query block
-    then visits about `2w` keys where it needs `w + q_block` (measured in
-    docs/performance.md).
+    2048 x 256 without a pattern, 512 x 512 when causal or windowed; for a narrow band
+    (a window whose left + right, right counted as 0 when causal, is under
+    `NARROW_WINDOW` keys), square blocks by its width `w` (`_narrow_side`: 128 up to
+    w = 256, else 512).
     `span`: `engine.mask_span`'s `(span, sparse)` for a mask function, read the same way
-    (a narrow span gets square blocks of about its width, a sparse one 512 x 512).
+    (a narrow span gets the narrow band's blocks, a sparse one 512 x 512).
     `platform`: where the call runs; `DEVICE_BLOCKS` replaces the unpatterned and
     patterned sizes there.
     """
@@ -74,14 +79,12 @@ def default_blocks(is_causal: bool, window, span=None, platform: str = "cpu") ->
     if span is not None and (window is None or window.left is None):
         width, sparse = span
         if width < NARROW_WINDOW:
-            side = min(PATTERN_BLOCK_SIZE, max(NARROW_MIN_BLOCK, _pow2_at_least(width)))
-            return side, side
+            return (_narrow_side(width),) * 2
         if sparse:
             return pattern
     right = None if window is None else (0 if is_causal else window.right)  # causal: no key after the query
     if window is not None and window.left is not None and right is not None and window.left + right < NARROW_WINDOW:
-        side = min(PATTERN_BLOCK_SIZE, max(NARROW_MIN_BLOCK, _pow2_at_least(window.left + right)))
-        return side, side
+        return (_narrow_side(window.left + right),) * 2
     if is_causal or window is not None:
         return pattern
     return full

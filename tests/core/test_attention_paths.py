@@ -596,9 +596,10 @@ def test_default_blocks_fit_the_pattern():
 
     assert default_blocks(False, None) == (2048, 256)  # nothing to skip: tall query blocks
     assert default_blocks(True, None) == (512, 512)
-    assert default_blocks(True, Window(256, 0)) == (256, 256)
-    assert default_blocks(True, Window(256, None)) == (256, 256)  # causal: nothing right of the query
-    assert default_blocks(False, Window(100, 100)) == (256, 256)
+    assert default_blocks(True, Window(256, 0)) == (128, 128)
+    assert default_blocks(True, Window(256, None)) == (128, 128)  # causal: nothing right of the query
+    assert default_blocks(False, Window(100, 100)) == (128, 128)
+    assert default_blocks(True, Window(257, 0)) == (512, 512)
     assert default_blocks(True, Window(0, 0)) == (128, 128)
     assert default_blocks(False, Window(3, None)) == (512, 512)  # unbounded on the right
     assert default_blocks(True, Window(2000, 0)) == (512, 512)
