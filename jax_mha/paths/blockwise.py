@@ -55,11 +55,9 @@ DEVICE_BLOCKS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
 
 def _narrow_side(width: int) -> int:
     """The square block of a band `width` keys wide (under `NARROW_WINDOW`): the
-    smallest block while a query block and the band fit two key blocks' span, else
-    the patterned block. Measured at N = 16,384 (docs/performance.md, "Sliding
-    windows"): a (256, 0) window ran forward+backward in 0.7x the time with 128-key
-    blocks that it took with 256-key blocks, and 256-key blocks were the slowest for
-    (512, 0) too."""
+    smallest block while the band spans at most two of them, else the patterned
+    block; 256-key blocks were the slowest of the sizes timed for both a 256- and a
+    512-key window (docs/performance.md, "Sliding windows")."""
     return NARROW_MIN_BLOCK if width <= 2 * NARROW_MIN_BLOCK else PATTERN_BLOCK_SIZE
 
 
