@@ -545,5 +545,6 @@ def num_blocks(length: int, block: int) -> int:
 __all__ = [
     "Visibility", "Window", "block_allowed", "canonical_window", "compute_dtype", "dense_allowed", "fits",
     "key_block_range", "key_range", "lengths_at_rank", "num_blocks", "positional", "segments_at_rank",
-    "MODS", "PER_HEAD", "dense_heads", "score_logits", "shift_indices", "soft_cap", "static_part", "dense_rows", "Call", "EVERY_PART", "MASK_PARTS", "PARTS", "Part", "parts",
+    "MODS", "PER_HEAD", "dense_heads", "score_logits", "shift_indices", "soft_cap", "static_part", "dense_rows",
+    "Call", "EVERY_PART", "MASK_PARTS", "PARTS", "Part", "parts",
 ]

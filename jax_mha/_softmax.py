@@ -101,12 +101,12 @@ def close(out, lse, vis, weights=None):
       `(out, lse)`, or `(out, weights, lse)` when weights are given; the inputs when
       the description has no sink.
     """
-    closed = close_lse(lse, vis)
     if closes_rows(vis):
+        closed = close_lse(lse, vis)
         share = jnp.exp(lse - closed)[..., None]  # the real keys' part of each row
-        out = out * share.astype(out.dtype)
+        out, lse = out * share.astype(out.dtype), closed
         weights = None if weights is None else weights * share.astype(weights.dtype)
-    return (out, closed) if weights is None else (out, weights, closed)
+    return (out, lse) if weights is None else (out, weights, lse)
 
 
 def closes_rows(vis) -> bool:
@@ -146,7 +146,8 @@ def sanitize_description(vis):
     if vis.sinks is None:
         return vis, False
     finite = jnp.isfinite(vis.sinks)
-    return dataclasses.replace(vis, sinks=jnp.where(finite, vis.sinks, jnp.zeros((), vis.sinks.dtype))), ~finite[:, None]
+    sinks = jnp.where(finite, vis.sinks, jnp.zeros((), vis.sinks.dtype))
+    return dataclasses.replace(vis, sinks=sinks), ~finite[:, None]
 
 
 def poisoned_rows(touched, bad_q, empty, bad_heads=False):

@@ -71,13 +71,9 @@ class _Ring(NamedTuple):
     local: int  # N/P
     striped: bool
     chunk: int
-    n: int  # N, the global sequence length
-    batch: int  # B, global
-    heads: int  # H, global
-    is_causal: bool
-    window: _masking.Window | None
-    # The description without its arrays (`_masking.static_part`), its mods with every
-    # closed-over array hoisted out (`_hoist`), called with them last:
+    # The description of the global problem (N, causality, window, soft cap, B and H)
+    # without its arrays (`_masking.static_part`), its mods with every closed-over array
+    # hoisted out (`_hoist`), called with them last:
     # `score_mod(score, b, h, q_idx, kv_idx, *score_consts)`, the mask's with `mask_consts`.
     static: Visibility
     scale: float
@@ -630,8 +626,7 @@ def _plan(vis: Visibility, q, k, v, bad_kv, *, mesh, axis_name, scale, query_chu
     static = dataclasses.replace(_masking.static_part(vis), **{name: fn for name, (fn, _) in hoisted.items()})
     floats = tuple(i for i, x in enumerate(score_consts) if jnp.issubdtype(x.dtype, jnp.floating))
     ring = _Ring(mesh, axis_name, batch_axis_name, head_axis_name, size, _steps(vis, size, local, striped), local,
-                 striped, chunk, n, b, h, vis.is_causal, vis.window, static, float(scale), jnp.dtype(dtype).name,
-                 floats)
+                 striped, chunk, static, float(scale), jnp.dtype(dtype).name, floats)
     lengths = lambda x: None if x is None else jnp.broadcast_to(x.reshape(-1), (b,))
     ids = lambda x: None if x is None else jnp.broadcast_to(x.reshape(x.shape[0], n), (b, n))
     a = _Arrays(q, k, v, lengths(vis.q_lengths), lengths(vis.kv_lengths), ids(vis.q_segment_ids),
@@ -670,7 +665,7 @@ def _attend(q, k, v, call: Call, *, mask=None, bias=None, mesh: Mesh, axis_name:
     out, lse = _softmax.close(out, lse, vis)
     poisoned = _softmax.poisoned_rows(touched, bad_q, empty, bad_heads)
     out, _ = _softmax.finish(out, None, empty, poisoned, v, bad_kv, vis, "zero")
-    return out.astype(q.dtype), _softmax.finish_lse(lse, poisoned, vis.q_lengths, ring.n)
+    return out.astype(q.dtype), _softmax.finish_lse(lse, poisoned, vis.q_lengths, vis.n)
 
 
 # ---------------------------------------------------------------------------------

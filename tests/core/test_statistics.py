@@ -249,6 +249,8 @@ def test_empty_sizes():
     (dict(key_block_size=2.5), TypeError, "key_block_size must be an int"),
     (dict(mask=jnp.ones((N, S), jnp.int32)), TypeError, "mask must be boolean"),
     (dict(local_window_size=(-1, 2)), ValueError, "left side must be >= 0"),
+    (dict(dropout_rate=0.1), TypeError, "unexpected keyword argument 'dropout_rate'"),
+    (dict(sinks=jnp.array([0.0, 1.0, np.nan, 0.0, 0.0, 0.0])), ValueError, "sinks must be finite, got nan for head 2"),
 ])
 def test_bad_inputs_raise_one_line_errors(qkv, kw, error, match):
     q, k, v = qkv

@@ -302,6 +302,8 @@ def test_refusals_name_the_numbers():
     x = jnp.ones((1, 2, 6, 4))
     with pytest.raises(ValueError, match=r"axis_name='seq' is not an axis"):
         ring_attention(x, x, x, mesh=mesh, axis_name="seq")
+    with pytest.raises(TypeError, match=r"ring_attention\(\) got an unexpected keyword argument 'dropout_rate'"):
+        ring_attention(x, x, x, mesh=mesh, dropout_rate=0.1)  # the description's keywords only
     with pytest.raises(ValueError, match=r"batch_axis_name='data' is not an axis"):
         ring_attention(x, x, x, mesh=mesh, batch_axis_name="data")
     with pytest.raises(ValueError, match=r"must be different mesh axes"):
